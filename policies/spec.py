@@ -1,0 +1,107 @@
+"""The `kv_policy` request field: parsing and validation into a KVPolicySpec.
+
+Accepted forms (OpenAI request body, top level or inside `extra_body`):
+  "h2o"                                   a policy name, or a preset name
+  {"name": "h2o", "budget": 256, "params": {...}}
+  {"name": "h2o", "budget_ratio": 0.1}
+Every error names the offending field (`kv_policy.budget`, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .registry import get_policy, policy_names
+
+
+class KVPolicyError(ValueError):
+    """A kv_policy value is invalid; `field` is the dotted path of the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class KVPolicySpec(BaseModel):
+    """A validated policy choice: what reaches the engine in custom_params."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    budget: Optional[int] = Field(default=None, gt=0)
+    budget_ratio: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    #: The preset this spec came from, if any (reported back in kv_usage).
+    preset: Optional[str] = None
+
+    @property
+    def compresses(self) -> bool:
+        return get_policy(self.name).compresses
+
+    def to_custom_params(self) -> dict[str, Any]:
+        """JSON-safe form carried by SamplingParams.custom_params["kv_policy"]."""
+        return self.model_dump(exclude_none=True)
+
+
+FULL = KVPolicySpec(name="full")
+
+
+def _format_pydantic_error(prefix: str, err: ValidationError) -> KVPolicyError:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    field = f"{prefix}.{loc}" if loc else prefix
+    if first["type"] == "extra_forbidden":
+        return KVPolicyError(field, "unknown field")
+    return KVPolicyError(field, first["msg"])
+
+
+def parse_kv_policy(
+    value: Any,
+    presets: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    field: str = "kv_policy",
+) -> KVPolicySpec:
+    """Validate a kv_policy value; None means `full`. Raises KVPolicyError."""
+    if value is None:
+        return FULL
+    presets = presets or {}
+    preset_name = None
+    if isinstance(value, str):
+        if value in presets:
+            preset_name = value
+            value = dict(presets[value])
+        else:
+            value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise KVPolicyError(field, "must be a policy or preset name, or an object {name, budget | budget_ratio, params}")
+
+    name = value.get("name")
+    if not isinstance(name, str):
+        raise KVPolicyError(f"{field}.name", "is required and must be a string")
+    try:
+        policy = get_policy(name)
+    except KeyError:
+        known = ", ".join(policy_names())
+        hint = f"; presets: {', '.join(sorted(presets))}" if presets else ""
+        raise KVPolicyError(f"{field}.name", f"unknown policy {name!r} (policies: {known}{hint})") from None
+
+    try:
+        spec = KVPolicySpec.model_validate({**value, "preset": preset_name})
+    except ValidationError as err:
+        raise _format_pydantic_error(field, err) from None
+
+    if spec.budget is not None and spec.budget_ratio is not None:
+        raise KVPolicyError(f"{field}.budget_ratio", "give budget or budget_ratio, not both")
+    if not policy.takes_budget and (spec.budget is not None or spec.budget_ratio is not None):
+        which = "budget" if spec.budget is not None else "budget_ratio"
+        raise KVPolicyError(f"{field}.{which}", f"policy {name!r} takes no budget")
+    try:
+        params = policy.Params.model_validate(spec.params)
+    except ValidationError as err:
+        raise _format_pydantic_error(f"{field}.params", err) from None
+    # Store the params with their defaults filled in, so the engine and the
+    # reported usage see exactly what runs.
+    return spec.model_copy(update={"params": params.model_dump()})

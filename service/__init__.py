@@ -1,0 +1,1 @@
+"""OpenAI-compatible API with kv_policy, metrics and the CLI (import kvsieve.service)."""

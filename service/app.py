@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP API (FastAPI).
+
+Routes: POST /v1/chat/completions, POST /v1/completions (stream or not),
+GET /v1/models, /health, /metrics. Every bad input is a 400 in OpenAI's
+error shape naming the field; nothing a client sends takes the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Mapping, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvsieve.policies import KVPolicyError, parse_kv_policy, policy_names
+
+from .errors import APIError, bad_request, from_validation_error
+from .generation import Job, build_sampling_params, resolve_max_tokens, run_job
+from .metrics import count_rejected, render_metrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+async def read_json_object(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    return data
+
+
+def _sse(payload: Any) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+class OpenAIServer:
+    """Holds what the routes share: engine, tokenizer, model name, presets."""
+
+    def __init__(self, engine, model_name: str, presets: Optional[Mapping[str, Mapping]] = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.context_length = engine.context_length
+        self.model_name = model_name
+        self.presets = dict(presets or {})
+
+    def policy_label(self, body: dict) -> str:
+        """Metrics label of a rejected request: a known policy name, else "invalid"
+        (never a client-chosen string: label values must stay a small set)."""
+        value = body.get("kv_policy")
+        if value is None and isinstance(body.get("extra_body"), dict):
+            value = body["extra_body"].get("kv_policy")
+        if value is None:
+            return "full"
+        if isinstance(value, str) and value in self.presets:
+            value = self.presets[value].get("name")
+        if isinstance(value, dict):
+            value = value.get("name")
+        return value if isinstance(value, str) and value in policy_names() else "invalid"
+
+    # ----- request -> Job -------------------------------------------------
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )
+
+    def _policy(self, req):
+        try:
+            return parse_kv_policy(req.kv_policy, self.presets)
+        except KVPolicyError as exc:
+            raise bad_request(str(exc), param=exc.field) from None
+
+    def _job(self, kind: str, req, input_ids: list[int], prompt_param: str) -> Job:
+        self._check_model(req.model)
+        policy = self._policy(req)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in input_ids):
+            raise bad_request(f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
+        max_new = resolve_max_tokens(req.requested_max_tokens(), len(input_ids), self.context_length, prompt_param)
+        return Job(
+            kind=kind,
+            input_ids=input_ids,
+            sampling_params=build_sampling_params(req, max_new, policy),
+            policy=policy,
+            stream=req.stream,
+            return_token_ids=req.return_token_ids,
+            model=self.model_name,
+            prompt_param=prompt_param,
+        )
+
+    def chat_job(self, body: dict) -> Job:
+        req = ChatCompletionRequest.model_validate(body)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may reject a role order, say
+            raise bad_request(f"messages: the chat template rejected them: {exc}", param="messages") from None
+        input_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self._job("chat", req, input_ids, "messages")
+
+    def completion_job(self, body: dict) -> Job:
+        req = CompletionRequest.model_validate(body)
+        input_ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
+        return self._job("completion", req, list(input_ids), "prompt")
+
+    # ----- Job -> response ------------------------------------------------
+    def _envelope(self, job: Job, chunk: bool) -> dict:
+        if job.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{job.rid}", "object": obj,
+                "created": job.created, "model": job.model}
+
+    async def complete(self, job: Job, request: Request) -> JSONResponse:
+        text, token_ids, last = [], [], None
+        async for delta in run_job(self.engine, job):
+            text.append(delta.text)
+            token_ids.extend(delta.token_ids)
+            last = delta
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+        content = "".join(text)
+        if job.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": last.finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": last.finish_reason, "logprobs": None}
+        if job.return_token_ids:
+            choice["token_ids"] = token_ids
+        body = {**self._envelope(job, chunk=False), "choices": [choice], "usage": last.usage, "kv_usage": last.kv_usage}
+        if job.return_token_ids:
+            body["prompt_token_ids"] = job.input_ids
+        return JSONResponse(body)
+
+    async def stream(self, job: Job) -> AsyncIterator[bytes]:
+        envelope = self._envelope(job, chunk=True)
+        if job.kind == "chat":
+            yield _sse({**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        try:
+            async for delta in run_job(self.engine, job):
+                if job.kind == "chat":
+                    choice = {"index": 0, "delta": {"content": delta.text}, "finish_reason": delta.finish_reason}
+                else:
+                    choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
+                if job.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                payload = {**envelope, "choices": [choice]}
+                if delta.finish_reason is not None:
+                    payload["usage"] = delta.usage
+                    payload["kv_usage"] = delta.kv_usage
+                yield _sse(payload)
+        except APIError as exc:
+            yield _sse(exc.body())
+        except Exception:
+            logger.exception("stream %s failed", job.rid)
+            yield _sse(APIError(500, "internal error while generating", type_="server_error").body())
+        yield b"data: [DONE]\n\n"
+
+
+def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]] = None) -> FastAPI:
+    server = OpenAIServer(engine, model_name, presets)
+    app = FastAPI(title="kvsieve")
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    async def handle(request: Request, make_job: Callable[[dict], Job]) -> Response:
+        body = await read_json_object(request)
+        try:
+            job = make_job(body)
+        except ValidationError as exc:
+            count_rejected(server.policy_label(body))
+            raise from_validation_error(exc) from None
+        except APIError:
+            count_rejected(server.policy_label(body))
+            raise
+        if job.stream:
+            return StreamingResponse(server.stream(job), media_type="text/event-stream")
+        return await server.complete(job, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, server.chat_job)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, server.completion_job)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvsieve", "max_model_len": server.context_length,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        data, content_type = render_metrics()
+        return Response(data, media_type=content_type)
+
+    return app

@@ -1,0 +1,94 @@
+"""The SGLang engine behind the API: construction per platform, generation,
+abort, shutdown. The only module of the service that talks to SGLang."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSettings:
+    """What the service needs to start an engine; the rest keeps SGLang's defaults."""
+
+    model_path: str
+    device: str = "cpu"  # "cpu" or "cuda"
+    context_length: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    dtype: str = "auto"
+    random_seed: int = 0
+    log_level: str = "warning"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            model_path=self.model_path,
+            dtype=self.dtype,
+            random_seed=self.random_seed,
+            log_level=self.log_level,
+            enable_metrics=True,
+            sampling_backend="pytorch",
+        )
+        if self.device == "cpu":
+            # SGLang's CPU engine with its pure-PyTorch attention; CUDA graphs
+            # do not exist there.
+            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        else:
+            kwargs.update(device="cuda", attention_backend="triton")
+        for name in ("context_length", "max_total_tokens", "max_running_requests"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        kwargs.update(self.extra)
+        return kwargs
+
+
+def prepare_process_environment(device: str) -> None:
+    """Environment SGLang reads at import time; call before importing sglang."""
+    if device == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    # SGLang's metrics live in prometheus_client's multiprocess mode (the
+    # scheduler is another process); it must be set before prometheus_client
+    # is first imported in this process.
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvsieve-prom-")
+
+
+class EngineClient:
+    """Thin async facade over sglang.Engine for the HTTP layer."""
+
+    def __init__(self, settings: EngineSettings):
+        import sglang
+
+        self.settings = settings
+        self._engine = sglang.Engine(**settings.engine_kwargs())
+        info = self._engine.tokenizer_manager
+        self.context_length: int = info.context_len
+        self.tokenizer = info.tokenizer
+
+    @property
+    def child_pids(self) -> list[int]:
+        return self._engine.get_all_child_pids()
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str
+    ) -> AsyncIterator[dict]:
+        """Stream SGLang's cumulative outputs for one request."""
+        stream = await self._engine.async_generate(
+            input_ids=input_ids, sampling_params=sampling_params, rid=rid, stream=True
+        )
+        async for chunk in stream:
+            yield chunk
+
+    def abort(self, rid: str) -> None:
+        self._engine.tokenizer_manager.abort_request(rid=rid)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
