@@ -69,8 +69,12 @@ log "kvsieve (editable)"
 "${PIP[@]}" install -q --no-deps -e .
 
 # Fail here, not at first request, if anything SGLang imports is missing.
-SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "import sglang.srt.entrypoints.engine, kvsieve.service.app" \
-  || { log "error: import check failed"; exit 1; }
+if ! check=$(SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -W ignore -c \
+    "import sglang.srt.entrypoints.engine, kvsieve.service.app" 2>&1); then
+  printf '%s\n' "$check" >&2
+  log "error: import check failed"
+  exit 1
+fi
 
 echo "$want" > "$STAMP"
 log "done in $(( $(date +%s) - start )) s"

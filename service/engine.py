@@ -87,6 +87,22 @@ class EngineClient:
         async for chunk in stream:
             yield chunk
 
+    def route_sigterm_to(self, callback) -> None:
+        """Make SIGTERM call `callback` instead of SGLang's own handler.
+
+        SGLang installs its handler on the event loop at the first request; it
+        drains and then SIGKILLs its own process tree, parent included. The
+        service wants one shutdown path for SIGINT and SIGTERM: stop the HTTP
+        server, then shut the engine down, then exit 0.
+        """
+        from sglang.srt.managers.tokenizer_manager import SignalHandler
+
+        class _RoutedSignalHandler(SignalHandler):
+            def sigterm_handler(self, signum=None, frame=None):
+                callback()
+
+        self._engine.tokenizer_manager.signal_handler_class = _RoutedSignalHandler
+
     def abort(self, rid: str) -> None:
         self._engine.tokenizer_manager.abort_request(rid=rid)
 

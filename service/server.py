@@ -6,11 +6,35 @@ SGLang started are shut down before this process exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import time
 from pathlib import Path
 
 logger = logging.getLogger("kvsieve")
+
+
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises a caught SIGINT/SIGTERM once it has stopped, which
+        kills this process before the engine's child processes are shut down.
+        Here the signal only stops the server; serve() then shuts the engine
+        down and returns normally."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
 
 
 def serve(args) -> None:
@@ -25,6 +49,8 @@ def serve(args) -> None:
     from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from .engine import EngineClient, EngineSettings
     from .presets import load_presets
+
+    _GracefulServer = _graceful_server_class()
 
     presets = load_presets(args.presets)
     if args.model:
@@ -49,7 +75,9 @@ def serve(args) -> None:
         app = create_app(engine, model_name, presets)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 loop="asyncio", timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run()
+        server = _GracefulServer(config)
+        engine.route_sigterm_to(lambda: server.handle_exit(signal.SIGTERM, None))
+        server.run()
     finally:
         engine.shutdown()
         logger.warning("engine shut down")
