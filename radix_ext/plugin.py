@@ -21,16 +21,20 @@ _COLLECT_TARGET = (
 
 
 def report_kv_usage(result, processor, i, req, logits_output):
-    """AFTER hook: append this token's KV usage record for kv_policy requests."""
+    """AFTER hook: one entry per output token for kv_policy requests; the usage
+    record itself only with the last token (None before), which keeps the
+    per-token cost to a list append."""
     policy = policy_name_of(getattr(req.sampling_params, "custom_params", None))
     if policy is None:
         return result
-    record = full_kv_usage(
-        policy=policy,
-        prompt_tokens=len(req.origin_input_ids),
-        cached_tokens=req.cached_tokens,
-        output_tokens=len(req.output_ids),
-    )
+    record = None
+    if req.finished():
+        record = full_kv_usage(
+            policy=policy,
+            prompt_tokens=len(req.origin_input_ids),
+            cached_tokens=req.cached_tokens,
+            output_tokens=len(req.output_ids),
+        )
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info.setdefault(KV_USAGE_KEY, []).append(record)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-#: meta_info key carrying the per-token usage records.
+#: meta_info key carrying the usage record (one entry per output token; the
+#: record is in the entry of the last token, earlier entries are None).
 KV_USAGE_KEY = "kvsieve_kv_usage"
 
 

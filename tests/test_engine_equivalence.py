@@ -53,7 +53,7 @@ def test_kv_policy_arrives_in_the_scheduler(tiny_llama):
         {"input_ids": PROMPTS[0], "max_new_tokens": 5, "custom_params": None},
     ])
     records = with_policy["meta_info"]["kvsieve_kv_usage"]
-    assert len(records) == 5
+    assert len(records) == 5 and records[:-1] == [None] * 4
     assert records[-1]["policy"] == "full"
     assert records[-1]["private_tokens"] == len(PROMPTS[0]) - records[-1]["prefix_cache_hit_tokens"] + 5
     assert "kvsieve_kv_usage" not in without["meta_info"]
