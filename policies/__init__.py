@@ -1,7 +1,8 @@
 """Compression policies: pure PyTorch, engine-agnostic (import kvsieve.policies)."""
 
-from . import full  # noqa: F401  (registers the policy)
+from . import full, h2o, longflow, snapkv, streaming  # noqa: F401  (register the policies)
 from .base import Policy, PolicyParams
+from .observations import LayerObservations, LayerView, Need
 from .registry import get_policy, policy_names, register_policy
 from .spec import FULL, KVPolicyError, KVPolicySpec, parse_kv_policy
 
@@ -9,6 +10,9 @@ __all__ = [
     "FULL",
     "KVPolicyError",
     "KVPolicySpec",
+    "LayerObservations",
+    "LayerView",
+    "Need",
     "Policy",
     "PolicyParams",
     "get_policy",

@@ -1,16 +1,19 @@
-"""What every compression policy is: a name, a parameter model, a behaviour.
+"""What every compression policy is: a name, a parameter model, lifecycle hooks.
 
-One small class per policy (kvsieve's registry follows kvpress's
-one-class-per-press style). A policy sees only tensors and token ids; it never
-touches SGLang objects. The lifecycle hooks arrive with the compressed region
-(radix_ext); here a policy is what the API validates and the engine receives.
+One small class per policy (in the spirit of kvpress's presses), one instance
+per request. A policy sees only tensors (policies.observations) and returns
+decisions: which slots of a layer to evict. It never touches SGLang objects;
+radix_ext applies its decisions to the compressed region.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict
+
+from .observations import LayerObservations, LayerView, Need
 
 
 class PolicyParams(BaseModel):
@@ -23,13 +26,39 @@ class Policy:
     """Base class of a compression policy.
 
     Subclasses set `name`, `Params` (a PolicyParams subclass with defaults and
-    bounds) and `compresses` (False only for `full`, which keeps SGLang's own
-    KV path untouched).
+    bounds), `needs` (the observations their hooks read) and override the
+    hooks they use. `compresses` is False only for `full`, which keeps
+    SGLang's own KV path untouched.
+
+    Hooks return an eviction mask [H, S] (True: clear that slot) or None. The
+    region calls on_decode_step after the step's new token is stored and has
+    taken part in attention, so the new token is scored in its own step.
     """
 
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     compresses: ClassVar[bool] = True
-    #: Whether `budget` / `budget_ratio` mean anything for this policy.
     takes_budget: ClassVar[bool] = True
+    needs: ClassVar[Need] = Need.NONE
     description: ClassVar[str] = ""
+
+    def __init__(self, params: Optional[PolicyParams] = None):
+        self.params = params if params is not None else self.Params()
+
+    def on_request_begin(self, num_layers: int, num_kv_heads: int) -> None:
+        """A request starts; per-request state goes on `self`."""
+
+    def on_prefill_end(
+        self, layer: int, view: LayerView, obs: LayerObservations, budget: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """The private prompt of `layer` is stored; may select what to keep."""
+        return None
+
+    def on_decode_step(
+        self, step: int, layer: int, view: LayerView, obs: LayerObservations, budget: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """One decode step of `layer` is done; `budget` is [H] tokens per head."""
+        return None
+
+    def on_request_end(self) -> None:
+        """The request ended (finished, aborted or failed)."""

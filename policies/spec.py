@@ -9,7 +9,7 @@ Every error names the offending field (`kv_policy.budget`, ...).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,8 +63,12 @@ def parse_kv_policy(
     value: Any,
     presets: Optional[Mapping[str, Mapping[str, Any]]] = None,
     field: str = "kv_policy",
+    served: Optional[Collection[str]] = None,
 ) -> KVPolicySpec:
-    """Validate a kv_policy value; None means `full`. Raises KVPolicyError."""
+    """Validate a kv_policy value; None means `full`. Raises KVPolicyError.
+
+    `served`: the policies the engine can run; a registered policy outside it
+    is refused rather than silently run as another one."""
     if value is None:
         return FULL
     presets = presets or {}
@@ -88,6 +92,10 @@ def parse_kv_policy(
         hint = f"; presets: {', '.join(sorted(presets))}" if presets else ""
         raise KVPolicyError(f"{field}.name", f"unknown policy {name!r} (policies: {known}{hint})") from None
 
+    if served is not None and name not in served:
+        raise KVPolicyError(
+            f"{field}.name", f"policy {name!r} is not served by this engine (served: {', '.join(sorted(served))})"
+        )
     try:
         spec = KVPolicySpec.model_validate({**value, "preset": preset_name})
     except ValidationError as err:

@@ -79,7 +79,7 @@ class OpenAIServer:
 
     def _policy(self, req):
         try:
-            return parse_kv_policy(req.kv_policy, self.presets)
+            return parse_kv_policy(req.kv_policy, self.presets, served=self.engine.served_policies)
         except KVPolicyError as exc:
             raise bad_request(str(exc), param=exc.field) from None
 

@@ -64,6 +64,11 @@ def prepare_process_environment(device: str) -> None:
 class EngineClient:
     """Thin async facade over sglang.Engine for the HTTP layer."""
 
+    #: Policies this engine runs. The compressed region (radix_ext) is not
+    #: wired into SGLang yet, so only SGLang's own path is served; the other
+    #: registered policies are refused by name instead of running as `full`.
+    served_policies = frozenset({"full"})
+
     def __init__(self, settings: EngineSettings):
         import sglang
 
