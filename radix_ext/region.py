@@ -123,14 +123,12 @@ class CompressedRegion:
         Returns the slot index per head, [H]."""
         req = self._requests[rid]
         P = self.config.page_size
-        table = req.table[layer]  # [H, pages]
-        free = ~self.valid[table].flatten(1) & (table != self.null_page).repeat_interleave(P, dim=1)
-        has_free = free.any(dim=1)
-        for head in (~has_free).nonzero().flatten().tolist():
+        # A page per head only where the head has no free slot: amortized
+        # over page_size tokens, so the loop runs rarely.
+        for head in (~self._free_slots(req.table[layer]).any(dim=1)).nonzero().flatten().tolist():
             self._add_page(req, layer, head)
-        table = req.table[layer]
-        free = ~self.valid[table].flatten(1) & (table != self.null_page).repeat_interleave(P, dim=1)
-        slot = free.int().argmax(dim=1)  # first free slot per head
+        table = req.table[layer]  # [H, pages]
+        slot = self._free_slots(table).int().argmax(dim=1)  # first free slot per head
         heads = torch.arange(table.shape[0], device=table.device)
         page = table[heads, slot // P]
         offset = slot % P
@@ -141,6 +139,11 @@ class CompressedRegion:
         self.score[page, offset] = 0.0
         self.last_hit[page, offset] = 0
         return slot
+
+    def _free_slots(self, table: torch.Tensor) -> torch.Tensor:
+        """[H, S] True where a slot of a real page holds no token."""
+        real = (table != self.null_page).repeat_interleave(self.config.page_size, dim=1)
+        return ~self.valid[table].flatten(1) & real
 
     def _add_page(self, req: _RequestPages, layer: int, head: int) -> None:
         page = self._take_page()
