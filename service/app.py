@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, Mapping, Optional
 
 from fastapi import FastAPI, Request
@@ -127,12 +128,15 @@ class OpenAIServer:
 
     async def complete(self, job: Job, request: Request) -> JSONResponse:
         text, token_ids, last = [], [], None
-        async for delta in run_job(self.engine, job):
-            text.append(delta.text)
-            token_ids.extend(delta.token_ids)
-            last = delta
-            if await request.is_disconnected():
-                raise APIError(499, "client disconnected")
+        # aclosing: leaving early (client gone, error) closes run_job at once,
+        # which aborts the request in the engine.
+        async with aclosing(run_job(self.engine, job)) as deltas:
+            async for delta in deltas:
+                text.append(delta.text)
+                token_ids.extend(delta.token_ids)
+                last = delta
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
         content = "".join(text)
         if job.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": last.finish_reason}
@@ -145,23 +149,28 @@ class OpenAIServer:
             body["prompt_token_ids"] = job.input_ids
         return JSONResponse(body)
 
+    @staticmethod
+    def _stream_chunk(envelope: dict, job: Job, delta) -> dict:
+        if job.kind == "chat":
+            choice = {"index": 0, "delta": {"content": delta.text}, "finish_reason": delta.finish_reason}
+        else:
+            choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
+        if job.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        chunk = {**envelope, "choices": [choice]}
+        if delta.finish_reason is not None:  # the last chunk carries the usage
+            chunk["usage"] = delta.usage
+            chunk["kv_usage"] = delta.kv_usage
+        return chunk
+
     async def stream(self, job: Job) -> AsyncIterator[bytes]:
         envelope = self._envelope(job, chunk=True)
         if job.kind == "chat":
             yield _sse({**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         try:
-            async for delta in run_job(self.engine, job):
-                if job.kind == "chat":
-                    choice = {"index": 0, "delta": {"content": delta.text}, "finish_reason": delta.finish_reason}
-                else:
-                    choice = {"index": 0, "text": delta.text, "finish_reason": delta.finish_reason, "logprobs": None}
-                if job.return_token_ids:
-                    choice["token_ids"] = delta.token_ids
-                payload = {**envelope, "choices": [choice]}
-                if delta.finish_reason is not None:
-                    payload["usage"] = delta.usage
-                    payload["kv_usage"] = delta.kv_usage
-                yield _sse(payload)
+            async with aclosing(run_job(self.engine, job)) as deltas:
+                async for delta in deltas:
+                    yield _sse(self._stream_chunk(envelope, job, delta))
         except APIError as exc:
             yield _sse(exc.body())
         except Exception:
@@ -178,6 +187,11 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
 
     async def handle(request: Request, make_job: Callable[[dict], Job]) -> Response:
         body = await read_json_object(request)
