@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from .runtime import RUNTIME
 from .usage import KV_USAGE_KEY, full_kv_usage, policy_name_of
 
 logger = logging.getLogger(__name__)
@@ -18,6 +19,10 @@ _COLLECT_TARGET = (
     "sglang.srt.managers.scheduler_components.batch_result_processor."
     "SchedulerBatchResultProcessor._maybe_collect_customized_info"
 )
+
+_ADMIT_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+_RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
+_SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
 
 
 def report_kv_usage(result, processor, i, req, logits_output):
@@ -35,14 +40,58 @@ def report_kv_usage(result, processor, i, req, logits_output):
             cached_tokens=req.cached_tokens,
             output_tokens=len(req.output_ids),
         )
+        compressed = RUNTIME.pop_usage(req.rid)
+        if compressed is not None:
+            record.update(compressed)
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info.setdefault(KV_USAGE_KEY, []).append(record)
     return result
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def admit_compressed_request(scheduler, req, *args, **kwargs):
+    """BEFORE hook on Scheduler._add_request_to_queue: note compressing requests."""
+    try:
+        RUNTIME.admit(req.rid, getattr(req.sampling_params, "custom_params", None), len(req.origin_input_ids))
+    except ValueError as exc:  # KVPolicyError: a bad spec sent straight to the engine
+        req.set_finish_with_abort(f"invalid kv_policy: {exc}")
 
+
+def release_region(original, req, tree_cache, *args, **kwargs):
+    """AROUND hook on release_kv_cache, the one exit of a request's KV (finish,
+    abort, retraction): the region's pages go back with SGLang's."""
+    try:
+        return original(req, tree_cache, *args, **kwargs)
+    finally:
+        RUNTIME.end(req.rid)
+
+
+def backend_supports_triton(original, backend: str) -> bool:
+    """AROUND hook on support_triton: SGLang treats every backend name but
+    torch_native as Triton-capable; kvsieve's CPU backend is not."""
+    if backend == "kvsieve":
+        from sglang.srt.utils.common import is_cpu
+
+        return not is_cpu()
+    return original(backend)
+
+
+def register() -> None:
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    def create_backend(model_runner):
+        # Imported here: the backend module needs SGLang's model layers, which
+        # only the scheduler process loads.
+        from .backend import KvsieveAttnBackend
+
+        return KvsieveAttnBackend(model_runner)
+
+    register_attention_backend("kvsieve")(create_backend)
+    add_attention_backend_choices(["kvsieve"])
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)
-    logger.info("kvsieve plugin registered (kv_usage reporting)")
+    HookRegistry.register(_ADMIT_TARGET, admit_compressed_request, HookType.BEFORE)
+    HookRegistry.register(_RELEASE_TARGET, release_region, HookType.AROUND)
+    HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
+    logger.info("kvsieve plugin registered: attention backend 'kvsieve', kv_usage reporting")

@@ -1,0 +1,112 @@
+"""Per-scheduler-process state of compressed requests: which rids compress,
+their policy instance, budgets, counters, and the region they live in.
+
+SGLang's scheduler, its model runner and the attention backend share one
+process, so the scheduler hooks (plugin.py) and the backend (backend.py)
+meet here, keyed by request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvsieve.policies import KVPolicySpec, Policy, get_policy, parse_kv_policy
+
+from .region import CompressedRegion, RegionConfig
+
+logger = logging.getLogger(__name__)
+
+#: Budget of a compressing request that names none (tokens per layer and kv head).
+DEFAULT_BUDGET = 1024
+#: Floor of a budget given as budget_ratio.
+MIN_RATIO_BUDGET = 16
+
+
+@dataclass
+class CompressedRequest:
+    rid: str
+    spec: KVPolicySpec
+    policy: Policy
+    prompt_len: int
+    prefix_len: int = -1  # radix-shared prompt tokens; -1 until the first extend
+    private_seen: int = 0  # private tokens stored so far (per layer)
+    evicted: int = 0  # slot evictions summed over layers and heads
+    eviction_events: int = 0  # (step, layer) pairs that evicted something
+    prefill_done: bool = False
+    stats: dict = field(default_factory=dict)
+
+    def budget(self, num_kv_heads: int) -> torch.Tensor:
+        if self.spec.budget is not None:
+            b = self.spec.budget
+        elif self.spec.budget_ratio is not None:
+            b = max(MIN_RATIO_BUDGET, math.ceil(self.spec.budget_ratio * max(self.private_seen, 1)))
+        else:
+            b = DEFAULT_BUDGET
+        return torch.full((num_kv_heads,), b, dtype=torch.int64)
+
+
+class KVRuntime:
+    def __init__(self):
+        self.region: Optional[CompressedRegion] = None
+        self.requests: dict[str, CompressedRequest] = {}
+        self.finished: dict[str, dict] = {}  # rid -> final usage, until reported
+
+    # ----- set-up, by the attention backend once the model is known ---------
+    def ensure_region(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device) -> CompressedRegion:
+        if self.region is None:
+            pages = int(os.environ.get("KVSIEVE_REGION_PAGES", "8192"))
+            page_size = int(os.environ.get("KVSIEVE_REGION_PAGE_SIZE", "16"))
+            self.region = CompressedRegion(RegionConfig(
+                num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                num_pages=pages, page_size=page_size, dtype=dtype, device=str(device)))
+            logger.info("kvsieve compressed region: %d pages x %d slots, %.1f MiB", pages, page_size,
+                        pages * self.region.config.bytes_per_page / 2**20)
+        return self.region
+
+    # ----- request lifecycle -------------------------------------------------
+    def admit(self, rid: str, custom_params: Optional[dict], prompt_len: int) -> None:
+        """Scheduler hook: remember a request whose kv_policy compresses."""
+        value = (custom_params or {}).get("kv_policy")
+        if value is None:
+            return
+        spec = parse_kv_policy(value)  # the front end validated it; this guards direct engine use
+        if not spec.compresses:
+            return
+        policy = get_policy(spec.name)(get_policy(spec.name).Params.model_validate(spec.params))
+        self.requests[rid] = CompressedRequest(rid=rid, spec=spec, policy=policy, prompt_len=prompt_len)
+
+    def begin(self, req: CompressedRequest, prefix_len: int) -> None:
+        req.prefix_len = prefix_len
+        cfg = self.region.config
+        req.policy.on_request_begin(cfg.num_layers, cfg.num_kv_heads)
+        self.region.begin(req.rid)
+
+    def end(self, rid: str) -> None:
+        """Scheduler hook (release_kv_cache): return the request's pages, keep its usage."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        if self.region is not None and req.prefix_len >= 0:
+            held = self.region.held_tokens(rid)
+            heads = held.numel()
+            self.finished[rid] = {
+                "retained_tokens": int(held.sum()) // heads,
+                "evicted_tokens": req.evicted // heads,
+                "eviction_events": req.eviction_events,
+                "retained_kv_bytes": int(held.sum()) * 2 * self.region.config.head_dim
+                * self.region.k.element_size(),
+            }
+            self.region.end(rid)
+        req.policy.on_request_end()
+
+    def pop_usage(self, rid: str) -> Optional[dict]:
+        return self.finished.pop(rid, None)
+
+
+RUNTIME = KVRuntime()
