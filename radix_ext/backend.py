@@ -106,6 +106,8 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
             self._apply(req, layer.layer_id, view, req.policy.on_prefill_end(layer.layer_id, view, obs, budget))
             if last_layer:
                 req.prefill_done = True
+        if last_layer:
+            RUNTIME.report(req)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
@@ -130,4 +132,5 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
             self._apply(req, layer.layer_id, view, evict)
             if layer.layer_id == self.num_layers - 1:
                 req.private_seen += 1
+                RUNTIME.report(req)
         return o

@@ -18,6 +18,7 @@ import torch
 
 from kvsieve.policies import KVPolicySpec, Policy, get_policy, parse_kv_policy
 
+from . import metrics
 from .region import CompressedRegion, RegionConfig
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class CompressedRequest:
     private_seen: int = 0  # private tokens stored so far (per layer)
     evicted: int = 0  # slot evictions summed over layers and heads
     eviction_events: int = 0  # (step, layer) pairs that evicted something
+    reported_tokens: int = 0  # what the retained gauges hold for this request
+    reported_bytes: int = 0
     prefill_done: bool = False
     stats: dict = field(default_factory=dict)
 
@@ -65,6 +68,7 @@ class KVRuntime:
             self.region = CompressedRegion(RegionConfig(
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 num_pages=pages, page_size=page_size, dtype=dtype, device=str(device)))
+            metrics.record_region(0, pages)
             logger.info("kvsieve compressed region: %d pages x %d slots, %.1f MiB", pages, page_size,
                         pages * self.region.config.bytes_per_page / 2**20)
         return self.region
@@ -87,22 +91,37 @@ class KVRuntime:
         req.policy.on_request_begin(cfg.num_layers, cfg.num_kv_heads)
         self.region.begin(req.rid)
 
+    def report(self, req: CompressedRequest) -> None:
+        """Refresh the region gauges after a step of `req` (all layers done)."""
+        held = int(self.region.held_tokens(req.rid).sum())
+        heads = self.region.config.num_layers * self.region.config.num_kv_heads
+        tokens, size = held // heads, held * self.region.config.bytes_per_page // self.region.config.page_size
+        metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
+        metrics.RETAINED_BYTES.labels(req.spec.name).inc(size - req.reported_bytes)
+        req.reported_tokens, req.reported_bytes = tokens, size
+        metrics.record_region(self.region.pages_used, self.region.pages_free)
+
     def end(self, rid: str) -> None:
         """Scheduler hook (release_kv_cache): return the request's pages, keep its usage."""
         req = self.requests.pop(rid, None)
         if req is None:
             return
         if self.region is not None and req.prefix_len >= 0:
-            held = self.region.held_tokens(rid)
-            heads = held.numel()
+            cfg = self.region.config
+            held = int(self.region.held_tokens(rid).sum())
+            heads = cfg.num_layers * cfg.num_kv_heads
             self.finished[rid] = {
-                "retained_tokens": int(held.sum()) // heads,
+                "retained_tokens": held // heads,
                 "evicted_tokens": req.evicted // heads,
                 "eviction_events": req.eviction_events,
-                "retained_kv_bytes": int(held.sum()) * 2 * self.region.config.head_dim
-                * self.region.k.element_size(),
+                "retained_kv_bytes": held * cfg.bytes_per_page // cfg.page_size,
             }
             self.region.end(rid)
+            metrics.EVICTED_TOKENS.labels(req.spec.name).inc(req.evicted // heads)
+            metrics.EVICTION_EVENTS.labels(req.spec.name).inc(req.eviction_events)
+            metrics.RETAINED_TOKENS.labels(req.spec.name).dec(req.reported_tokens)
+            metrics.RETAINED_BYTES.labels(req.spec.name).dec(req.reported_bytes)
+            metrics.record_region(self.region.pages_used, self.region.pages_free)
         req.policy.on_request_end()
 
     def pop_usage(self, rid: str) -> Optional[dict]:

@@ -37,7 +37,9 @@ class EngineSettings:
         if self.device == "cpu":
             # SGLang's CPU engine with its pure-PyTorch attention; CUDA graphs
             # do not exist there.
-            kwargs.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+            # kvsieve's backend: SGLang's torch_native path for uncompressed
+            # rows, the compressed region for the others.
+            kwargs.update(device="cpu", attention_backend="kvsieve", disable_cuda_graph=True)
         else:
             kwargs.update(device="cuda", attention_backend="triton")
         for name in ("context_length", "max_total_tokens", "max_running_requests"):
@@ -64,15 +66,17 @@ def prepare_process_environment(device: str) -> None:
 class EngineClient:
     """Thin async facade over sglang.Engine for the HTTP layer."""
 
-    #: Policies this engine runs. The compressed region (radix_ext) is not
-    #: wired into SGLang yet, so only SGLang's own path is served; the other
-    #: registered policies are refused by name instead of running as `full`.
-    served_policies = frozenset({"full"})
+    #: Policies this engine runs: on CPU the kvsieve attention backend serves
+    #: the wired policies; on GPU its Triton path is not built yet, so only
+    #: SGLang's own path is served there and other names are refused by name
+    #: instead of silently running as `full`.
+    WIRED_POLICIES = frozenset({"full", "streaming", "h2o", "snapkv", "longflow"})
 
     def __init__(self, settings: EngineSettings):
         import sglang
 
         self.settings = settings
+        self.served_policies = self.WIRED_POLICIES if settings.device == "cpu" else frozenset({"full"})
         self._engine = sglang.Engine(**settings.engine_kwargs())
         info = self._engine.tokenizer_manager
         self.context_length: int = info.context_len

@@ -150,16 +150,6 @@ def test_bad_input_is_a_400_naming_the_field(llama_server, path, body, param):
         assert param in error["message"]
 
 
-def test_registered_but_unserved_policy_is_refused_not_run_as_full(llama_server):
-    # The compressed region is not wired into the engine yet: a compressing
-    # policy must not silently run as `full`.
-    body = {"messages": MSG, "kv_policy": {"name": "h2o", "budget": 64}}
-    r = httpx.post(f"{llama_server.url}{CHAT}", json=body, timeout=30)
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "kv_policy.name"
-    assert "not served by this engine" in r.json()["error"]["message"]
-
-
 def test_unknown_model_is_404(llama_server):
     r = httpx.post(f"{llama_server.url}{CHAT}", json={"model": "gpt-9", "messages": MSG}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"

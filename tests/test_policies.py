@@ -48,3 +48,13 @@ def test_invalid_values_name_the_field(value, field, words):
 
 def test_registry_lists_full():
     assert "full" in policy_names()
+
+
+def test_a_policy_the_engine_does_not_serve_is_refused_by_name():
+    # On GPU only `full` is served until the Triton path exists: a compressing
+    # policy must be refused, never run as `full`.
+    with pytest.raises(KVPolicyError) as info:
+        parse_kv_policy({"name": "h2o", "budget": 64}, served={"full"})
+    assert info.value.field == "kv_policy.name"
+    assert "not served by this engine" in info.value.message
+    assert parse_kv_policy({"name": "h2o", "budget": 64}, served={"full", "h2o"}).name == "h2o"

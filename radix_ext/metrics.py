@@ -1,0 +1,49 @@
+"""Metrics of the compressed region, written from SGLang's scheduler process.
+
+prometheus_client runs in multiprocess mode there too (the service sets
+PROMETHEUS_MULTIPROC_DIR before the engine starts and the scheduler inherits
+it), so the API's /metrics collects these with SGLang's own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+EVICTED_TOKENS = Counter(
+    "kvsieve_evicted_tokens_total",
+    "KV tokens evicted by compression policies (per layer and kv head, averaged).",
+    ["policy"],
+    registry=None,
+)
+EVICTION_EVENTS = Counter(
+    "kvsieve_eviction_events_total",
+    "(decode step, layer) pairs in which a policy evicted something.",
+    ["policy"],
+    registry=None,
+)
+RETAINED_TOKENS = Gauge(
+    "kvsieve_retained_kv_tokens",
+    "KV tokens retained in the compressed region by running requests (per layer and kv head, averaged).",
+    ["policy"],
+    multiprocess_mode="livesum",
+    registry=None,
+)
+RETAINED_BYTES = Gauge(
+    "kvsieve_retained_kv_bytes",
+    "Bytes of K and V retained in the compressed region by running requests.",
+    ["policy"],
+    multiprocess_mode="livesum",
+    registry=None,
+)
+REGION_PAGES = Gauge(
+    "kvsieve_region_pages",
+    "Pages of the compressed region by state (used, free).",
+    ["state"],
+    multiprocess_mode="livesum",
+    registry=None,
+)
+
+
+def record_region(pages_used: int, pages_free: int) -> None:
+    REGION_PAGES.labels("used").set(pages_used)
+    REGION_PAGES.labels("free").set(pages_free)

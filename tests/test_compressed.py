@@ -1,0 +1,110 @@
+"""Compressed requests end to end: kvsieve server, real SGLang engine with the
+"kvsieve" attention backend, tiny Llama on CPU."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+WIRED = ["streaming", "h2o", "snapkv", "longflow"]
+GEN = 24
+
+
+def complete(server, prompt_ids, policy, max_tokens=GEN, **extra):
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "kv_policy": policy, **extra}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def metric(server, name, **labels):
+    total = 0.0
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def region_idle(server, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server, "kvsieve_region_pages", state="used") == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("policy", WIRED)
+def test_budget_above_the_length_equals_full(llama_server, policy):
+    # A fresh prompt per policy, compressed run first: its whole prompt is
+    # private (in the region), then `full` on the same prompt.
+    prompt = [7 + WIRED.index(policy), 300, 12, 44, 150, 23, 9, 81, 200, 5, 61, 17]
+    compressed = complete(llama_server, prompt, {"name": policy, "budget": 256})
+    full = complete(llama_server, prompt, "full")
+    assert compressed["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
+    kv = compressed["kv_usage"]
+    assert kv["policy"] == policy and kv["evicted_tokens"] == 0
+    assert kv["retained_tokens"] == kv["private_tokens"] == len(prompt) + GEN
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "longflow"])
+def test_small_budget_holds_the_budget(llama_server, policy):
+    prompt = [90 + WIRED.index(policy), 31, 32, 33, 34]
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8}, max_tokens=40)
+    kv = out["kv_usage"]
+    assert kv["retained_tokens"] == 8
+    assert kv["evicted_tokens"] == len(prompt) + 40 - 8
+    assert kv["eviction_events"] > 0
+    assert metric(llama_server, "kvsieve_evicted_tokens_total", policy=policy) >= kv["evicted_tokens"]
+
+
+def test_snapkv_selects_at_prefill_only(llama_server):
+    prompt = list(range(100, 160))  # 60 private prompt tokens
+    kv = complete(llama_server, prompt, {"name": "snapkv", "budget": 8, "params": {"window": 4}})["kv_usage"]
+    assert kv["retained_tokens"] == 8 + 4 + GEN  # top budget + window, then every decode token
+
+
+def test_full_in_a_mixed_batch_equals_its_solo_run(llama_server):
+    prompt = [3, 141, 59, 26, 53, 58, 97]
+    solo = complete(llama_server, prompt, "full", max_tokens=32)["choices"][0]["token_ids"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(policy, ids):
+                body = {"prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True, "kv_policy": policy}
+                r = await client.post(f"{llama_server.url}/v1/completions", json=body)
+                r.raise_for_status()
+                return r.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(
+                one("full", prompt),
+                *(one({"name": p, "budget": 6}, [i + 1, 2, 3, 4, 5, 6, 7, 8]) for i, p in enumerate(WIRED)))
+
+    results = asyncio.run(run())
+    assert results[0] == solo
+
+
+def test_every_region_page_returns_after_mixed_requests_and_disconnects(llama_server):
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(i):
+                policy = {"name": WIRED[i % 4], "budget": 4 + i % 5} if i % 5 else "full"
+                body = {"prompt": [i % 50 + 1, 7, 8, 9], "max_tokens": 6 + i % 7, "ignore_eos": True,
+                        "kv_policy": policy, "stream": i % 3 == 0}
+                if i % 10 == 3:  # disconnect mid-stream
+                    body.update(stream=True, max_tokens=400)
+                    async with client.stream("POST", f"{llama_server.url}/v1/completions", json=body) as r:
+                        async for _ in r.aiter_lines():
+                            break
+                    return
+                r = await client.post(f"{llama_server.url}/v1/completions", json=body)
+                r.raise_for_status()
+            for start in range(0, 60, 12):
+                await asyncio.gather(*(one(i) for i in range(start, start + 12)))
+
+    asyncio.run(run())
+    assert region_idle(llama_server)
+    assert metric(llama_server, "kvsieve_region_pages", state="free") > 0
+    assert metric(llama_server, "kvsieve_retained_kv_tokens") == 0
