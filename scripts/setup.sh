@@ -48,7 +48,7 @@ if [ "$relock" = 1 ]; then
   "${PIP[@]}" install -q "${PIN[@]}" -r requirements/cpu.in
   {
     sed -n '1,4p' requirements/cpu.lock
-    "${PIP[@]}" freeze | grep -viE '^(torch==|sglang|kvsieve|-e |llm[-_]smollm2)'
+    "${PIP[@]}" freeze | grep -viE '^(torch==|sglang|kvsieve|-e |llm[-_]smollm2|# Editable)'
   } > requirements/cpu.lock.new
   mv requirements/cpu.lock.new requirements/cpu.lock
 else
