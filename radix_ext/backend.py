@@ -23,6 +23,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from kvsieve.kernels.attention_ref import attend_decode
 from kvsieve.policies import LayerObservations, Need
 
+from .region import RegionFull
 from .runtime import RUNTIME, CompressedRequest
 
 #: Prompt queries whose attention scores the prompt at prefill end (snapkv's window).
@@ -34,7 +35,8 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         pool = self.token_to_kv_pool
         self.num_layers = pool.layer_num
-        self.region = RUNTIME.ensure_region(pool.layer_num, pool.head_num, pool.head_dim, pool.dtype, self.device)
+        self.region = RUNTIME.ensure_region(pool.layer_num, pool.head_num, pool.head_dim, pool.dtype,
+                                            self.device, pool_tokens=pool.size)
 
     # ----- helpers ---------------------------------------------------------
     def _prefix_kv(self, layer_id: int, req_pool_idx: int, prefix_len: int):
@@ -81,7 +83,7 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         for i, rid in enumerate(forward_batch.rids):
             ext = forward_batch.extend_seq_lens_cpu[i]
             req = RUNTIME.requests.get(rid)
-            if req is not None:
+            if req is not None and not req.overflowed:
                 self._extend_row(req, layer, forward_batch, i, q3[start:start + ext], k3[start:start + ext], v3[start:start + ext])
             start += ext
         return o
@@ -92,10 +94,14 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
             RUNTIME.begin(req, prefix)
         positions = list(range(prefix, prefix + k_rows.shape[0]))
         stored = 0
-        for j, pos in enumerate(positions):
-            if pos >= req.prefix_len:
-                self.region.store(req.rid, layer.layer_id, k_rows[j], v_rows[j], pos)
-                stored += 1
+        try:
+            for j, pos in enumerate(positions):
+                if pos >= req.prefix_len:
+                    self.region.store(req.rid, layer.layer_id, k_rows[j], v_rows[j], pos)
+                    stored += 1
+        except RegionFull:
+            RUNTIME.overflow(req)
+            return
         last_layer = layer.layer_id == self.num_layers - 1
         if last_layer:
             req.private_seen += stored
@@ -119,10 +125,14 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         o3 = o.view(-1, Hq, layer.v_head_dim)
         for i, rid in enumerate(forward_batch.rids):
             req = RUNTIME.requests.get(rid)
-            if req is None or req.prefix_len < 0:
+            if req is None or req.prefix_len < 0 or req.overflowed:
                 continue
             pos = int(forward_batch.seq_lens_cpu[i]) - 1
-            self.region.store(rid, layer.layer_id, k3[i], v3[i], pos)
+            try:
+                self.region.store(rid, layer.layer_id, k3[i], v3[i], pos)
+            except RegionFull:
+                RUNTIME.overflow(req)  # this row keeps SGLang's output; the request ends with a 503
+                continue
             rk, rv, view = self.region.layer_slots(rid, layer.layer_id)
             pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
             out, obs = attend_decode(q3[i], pk, pv, rk, rv, view.valid, layer.scaling, req.policy.needs)

@@ -52,7 +52,8 @@ def report_kv_usage(result, processor, i, req, logits_output):
 def admit_compressed_request(scheduler, req, *args, **kwargs):
     """BEFORE hook on Scheduler._add_request_to_queue: note compressing requests."""
     try:
-        RUNTIME.admit(req.rid, getattr(req.sampling_params, "custom_params", None), len(req.origin_input_ids))
+        RUNTIME.admit(req.rid, getattr(req.sampling_params, "custom_params", None),
+                      len(req.origin_input_ids), sgl_req=req)
     except ValueError as exc:  # KVPolicyError: a bad spec sent straight to the engine
         req.set_finish_with_abort(f"invalid kv_policy: {exc}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -42,7 +42,11 @@ class CompressedRequest:
     reported_tokens: int = 0  # what the retained gauges hold for this request
     reported_bytes: int = 0
     prefill_done: bool = False
-    stats: dict = field(default_factory=dict)
+    #: SGLang's Req, to end it cleanly if the region cannot take its tokens.
+    sgl_req: object = None
+    #: Set when the region ran out for this request: it is being aborted and
+    #: the backend leaves its rows to SGLang's path until it ends.
+    overflowed: bool = False
 
     def budget(self, num_kv_heads: int) -> torch.Tensor:
         if self.spec.budget is not None:
@@ -61,20 +65,31 @@ class KVRuntime:
         self.finished: dict[str, dict] = {}  # rid -> final usage, until reported
 
     # ----- set-up, by the attention backend once the model is known ---------
-    def ensure_region(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device) -> CompressedRegion:
+    def ensure_region(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device,
+                      pool_tokens: int) -> CompressedRegion:
+        """Create the region once: KVSIEVE_REGION_SHARE (default 1.0) times the
+        bytes of SGLang's token pool (`pool_tokens` tokens), or exactly
+        KVSIEVE_REGION_PAGES pages."""
         if self.region is None:
-            pages = int(os.environ.get("KVSIEVE_REGION_PAGES", "8192"))
             page_size = int(os.environ.get("KVSIEVE_REGION_PAGE_SIZE", "16"))
+            share = float(os.environ.get("KVSIEVE_REGION_SHARE", "1.0"))
+            pages = int(os.environ.get("KVSIEVE_REGION_PAGES", "0")) or max(
+                1, int(share * pool_tokens * num_layers * num_kv_heads / page_size))
             self.region = CompressedRegion(RegionConfig(
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 num_pages=pages, page_size=page_size, dtype=dtype, device=str(device)))
             metrics.record_region(0, pages)
-            logger.info("kvsieve compressed region: %d pages x %d slots, %.1f MiB", pages, page_size,
-                        pages * self.region.config.bytes_per_page / 2**20)
+            pool_mib = pool_tokens * num_layers * num_kv_heads * 2 * head_dim * self.region.k.element_size() / 2**20
+            # Warning level: SGLang's scheduler logs only warnings by default,
+            # and operators need this split at start-up.
+            logger.warning(
+                "kvsieve KV memory split: SGLang token pool %.1f MiB (%d tokens), compressed region "
+                "%.1f MiB (%d pages x %d slots per (layer, kv head))",
+                pool_mib, pool_tokens, pages * self.region.config.bytes_per_page / 2**20, pages, page_size)
         return self.region
 
     # ----- request lifecycle -------------------------------------------------
-    def admit(self, rid: str, custom_params: Optional[dict], prompt_len: int) -> None:
+    def admit(self, rid: str, custom_params: Optional[dict], prompt_len: int, sgl_req=None) -> None:
         """Scheduler hook: remember a request whose kv_policy compresses."""
         value = (custom_params or {}).get("kv_policy")
         if value is None:
@@ -83,7 +98,26 @@ class KVRuntime:
         if not spec.compresses:
             return
         policy = get_policy(spec.name)(get_policy(spec.name).Params.model_validate(spec.params))
-        self.requests[rid] = CompressedRequest(rid=rid, spec=spec, policy=policy, prompt_len=prompt_len)
+        self.requests[rid] = CompressedRequest(rid=rid, spec=spec, policy=policy, prompt_len=prompt_len,
+                                               sgl_req=sgl_req)
+
+    def overflow(self, req: CompressedRequest) -> None:
+        """The region is full: free this request's pages now and end it with
+        a 503 (retry later). Other requests keep running untouched.
+
+        Admission by the compressed ceiling (integration step 4) will make
+        requests wait instead; until then this keeps the engine alive."""
+        from http import HTTPStatus
+
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        req.overflowed = True
+        if req.sgl_req is not None:
+            req.sgl_req.to_finish = FINISH_ABORT(
+                "kvsieve compressed region is full; retry later", HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable")
+        self.region.end(req.rid)
+        self.region.begin(req.rid)  # empty again, so end() stays uniform
+        metrics.record_region(self.region.pages_used, self.region.pages_free)
 
     def begin(self, req: CompressedRequest, prefix_len: int) -> None:
         req.prefix_len = prefix_len

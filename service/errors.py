@@ -28,7 +28,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # 503 means "full right now": tell clients when to come back.
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:

@@ -43,13 +43,13 @@ class Server:
         return self.proc.wait(timeout=timeout)
 
 
-def start_server(log_dir: Path, *args: str, timeout: float = 600) -> Server:
+def start_server(log_dir: Path, *args: str, timeout: float = 600, env: dict | None = None) -> Server:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
         [KVSIEVE, "serve", "--port", str(port), "--log-level", "warning", *args],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
