@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from .runtime import RUNTIME
 from .usage import KV_USAGE_KEY, full_kv_usage, policy_name_of
 
@@ -22,6 +24,7 @@ _COLLECT_TARGET = (
 
 _ADMIT_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
 _RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
+_UNFINISHED_TARGET = "sglang.srt.mem_cache.common.maybe_cache_unfinished_req"
 _SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
 
 
@@ -56,6 +59,23 @@ def admit_compressed_request(scheduler, req, *args, **kwargs):
                       len(req.origin_input_ids), sgl_req=req)
     except ValueError as exc:  # KVPolicyError: a bad spec sent straight to the engine
         req.set_finish_with_abort(f"invalid kv_policy: {exc}")
+        return
+    if req.rid in RUNTIME.requests:
+        # A compressed request reads the radix-matched prefix but never adds
+        # its own tokens to the tree (SGLang's own flag for this).
+        req.skip_radix_cache_insert = True
+
+
+def keep_chunk_progress(original, req, tree_cache, *args, **kwargs):
+    """AROUND hook on maybe_cache_unfinished_req. With skip_radix_cache_insert
+    SGLang skips it entirely, so a chunked prefill would never advance
+    req.prefix_indices; for compressed requests advance them over the
+    request's own slots, as SGLang's ChunkCache does, without inserting."""
+    if getattr(req, "skip_radix_cache_insert", False) and req.rid in RUNTIME.requests:
+        slots = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
+        req.prefix_indices = slots.to(dtype=torch.int64, copy=True)
+        return None
+    return original(req, tree_cache, *args, **kwargs)
 
 
 def release_region(original, req, tree_cache, *args, **kwargs):
@@ -94,5 +114,6 @@ def register() -> None:
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)
     HookRegistry.register(_ADMIT_TARGET, admit_compressed_request, HookType.BEFORE)
     HookRegistry.register(_RELEASE_TARGET, release_region, HookType.AROUND)
+    HookRegistry.register(_UNFINISHED_TARGET, keep_chunk_progress, HookType.AROUND)
     HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
     logger.info("kvsieve plugin registered: attention backend 'kvsieve', kv_usage reporting")

@@ -69,6 +69,7 @@ def serve(args) -> None:
         max_running_requests=args.max_running_requests,
         dtype=args.dtype,
         log_level=args.log_level,
+        extra={"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {},
     ))
     logger.warning("engine up in %.1f s: %s (context %d)", time.monotonic() - started, model_name, engine.context_length)
     try:

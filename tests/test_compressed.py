@@ -123,3 +123,22 @@ def test_every_region_page_returns_after_200_mixed_requests(llama_server):
     assert region_idle(llama_server)
     assert metric(llama_server, "kvsieve_region_pages", state="free") > 0
     assert metric(llama_server, "kvsieve_retained_kv_tokens") == 0
+
+
+def test_compressed_tokens_never_enter_the_radix_tree(llama_server):
+    prompt = [340, 341, 342, 343, 344, 345, 346, 347, 348, 349, 350, 351]
+    complete(llama_server, prompt, {"name": "h2o", "budget": 256})
+    after_compressed = complete(llama_server, prompt, "full")
+    assert after_compressed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after_full = complete(llama_server, prompt, "full")
+    assert after_full["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_compressed_request_reuses_the_shared_prefix(llama_server):
+    prompt = [360, 361, 362, 363, 364, 365, 366, 367, 368, 369]
+    full = complete(llama_server, prompt, "full")
+    compressed = complete(llama_server, prompt, {"name": "streaming", "budget": 256})
+    kv = compressed["kv_usage"]
+    assert kv["prefix_cache_hit_tokens"] > 0
+    assert kv["private_tokens"] == len(prompt) - kv["prefix_cache_hit_tokens"] + GEN
+    assert compressed["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
