@@ -8,17 +8,18 @@ SGLang's token pool plus the region's retained slots, with one softmax over
 both (kernels.attention_ref). The policy then decides evictions from the
 observations of that same pass.
 
-Integration step 1 of docs/design/radix_ext-integration.md: SGLang's token
-pool still holds a compressed request's tokens as well (and the parent
-decode attention still runs for its row, its output then replaced), so the
-policies act on what attention sees but do not yet save pool memory; that
-is steps 2-4 (no decode slots, admission by the compressed ceiling).
+Generated tokens of a compressed request take no token-pool slot
+(decode_slots.py): their K/V exist only in the region. The private prompt is
+still prefilled through the pool and kept there until the request ends, and
+admission still reserves max_new_tokens (steps 2 and 4 of
+docs/design/radix_ext-integration.md).
 """
 
 from __future__ import annotations
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from kvsieve.kernels.attention_ref import attend_decode
 from kvsieve.policies import LayerObservations, Need
@@ -116,31 +117,60 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
             RUNTIME.report(req)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        if not RUNTIME.requests or layer.is_cross_attention:
-            return o
+        rows = [RUNTIME.requests.get(rid) for rid in forward_batch.rids] if RUNTIME.requests else []
+        if not any(rows) or layer.is_cross_attention or forward_batch.encoder_lens is not None:
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         Hq, H, D = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, Hq, D)
         k3, v3 = k.view(-1, H, D), v.view(-1, H, layer.v_head_dim)
-        o3 = o.view(-1, Hq, layer.v_head_dim)
-        for i, rid in enumerate(forward_batch.rids):
-            req = RUNTIME.requests.get(rid)
-            if req is None or req.prefix_len < 0 or req.overflowed:
-                continue
-            pos = int(forward_batch.seq_lens_cpu[i]) - 1
-            try:
-                self.region.store(rid, layer.layer_id, k3[i], v3[i], pos)
-            except RegionFull:
-                RUNTIME.overflow(req)  # this row keeps SGLang's output; the request ends with a 503
-                continue
-            rk, rv, view = self.region.layer_slots(rid, layer.layer_id)
-            pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
-            out, obs = attend_decode(q3[i], pk, pv, rk, rv, view.valid, layer.scaling, req.policy.needs)
-            o3[i] = out.to(o3.dtype)
-            budget = req.budget(H)
-            evict = req.policy.on_decode_step(pos - req.prompt_len, layer.layer_id, view, obs, budget)
-            self._apply(req, layer.layer_id, view, evict)
-            if layer.layer_id == self.num_layers - 1:
-                req.private_seen += 1
-                RUNTIME.report(req)
-        return o
+        o3 = q3.new_empty((q3.shape[0], Hq, layer.v_head_dim))
+        if save_kv_cache:
+            # Compressed rows write to slot 0, SGLang's dummy slot (decode_slots.py).
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+        full = [i for i, req in enumerate(rows) if req is None]
+        if full:
+            self._decode_rows_from_pool(q3, o3, layer, forward_batch, full)
+        for i, req in enumerate(rows):
+            if req is not None:
+                self._decode_row_from_region(req, q3, k3, v3, o3, layer, forward_batch, i)
+        return o3.reshape(q3.shape[0], Hq * layer.v_head_dim)
+
+    def _decode_rows_from_pool(self, q3, o3, layer, forward_batch, rows):
+        """SGLang's own decode attention for the uncompressed rows."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=q3.device)
+        out = q3.new_empty((len(rows), q3.shape[1], o3.shape[2]))
+        window = layer.sliding_window_size
+        self._run_sdpa_forward_decode(
+            q3[idx], out,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices[idx], forward_batch.seq_lens[idx], None,
+            scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+            causal=False, is_cross_attn=False,
+            sliding_window_size=window if window is not None and window > -1 else None,
+        )
+        o3[idx] = out
+
+    def _decode_row_from_region(self, req, q3, k3, v3, o3, layer, forward_batch, i):
+        if req.prefix_len < 0 or req.overflowed:
+            # Being aborted (region full): its output is never sent.
+            o3[i] = 0
+            return
+        pos = int(forward_batch.seq_lens_cpu[i]) - 1
+        try:
+            self.region.store(req.rid, layer.layer_id, k3[i], v3[i], pos)
+        except RegionFull:
+            RUNTIME.overflow(req)  # the request ends with a 503
+            o3[i] = 0
+            return
+        rk, rv, view = self.region.layer_slots(req.rid, layer.layer_id)
+        pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
+        out, obs = attend_decode(q3[i], pk, pv, rk, rv, view.valid, layer.scaling, req.policy.needs)
+        o3[i] = out.to(o3.dtype)
+        budget = req.budget(layer.tp_k_head_num)
+        evict = req.policy.on_decode_step(pos - req.prompt_len, layer.layer_id, view, obs, budget)
+        self._apply(req, layer.layer_id, view, evict)
+        if layer.layer_id == self.num_layers - 1:
+            req.private_seen += 1
+            RUNTIME.report(req)

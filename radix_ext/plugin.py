@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from . import admission
+from .decode_slots import alloc_for_decode_skipping_compressed, keep_committed_len_at_owned_slots
 from .runtime import RUNTIME
 from .usage import KV_USAGE_KEY, full_kv_usage, policy_name_of
 
@@ -23,8 +25,12 @@ _COLLECT_TARGET = (
 )
 
 _ADMIT_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+_INIT_MAX_NEW_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder."
 _RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
 _UNFINISHED_TARGET = "sglang.srt.mem_cache.common.maybe_cache_unfinished_req"
+_ALLOC_DECODE_TARGET = "sglang.srt.mem_cache.allocation.alloc_for_decode"
+_PREPARE_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 _SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
 
 
@@ -50,20 +56,6 @@ def report_kv_usage(result, processor, i, req, logits_output):
         req.customized_info = {}
     req.customized_info.setdefault(KV_USAGE_KEY, []).append(record)
     return result
-
-
-def admit_compressed_request(scheduler, req, *args, **kwargs):
-    """BEFORE hook on Scheduler._add_request_to_queue: note compressing requests."""
-    try:
-        RUNTIME.admit(req.rid, getattr(req.sampling_params, "custom_params", None),
-                      len(req.origin_input_ids), sgl_req=req)
-    except ValueError as exc:  # KVPolicyError: a bad spec sent straight to the engine
-        req.set_finish_with_abort(f"invalid kv_policy: {exc}")
-        return
-    if req.rid in RUNTIME.requests:
-        # A compressed request reads the radix-matched prefix but never adds
-        # its own tokens to the tree (SGLang's own flag for this).
-        req.skip_radix_cache_insert = True
 
 
 def keep_chunk_progress(original, req, tree_cache, *args, **kwargs):
@@ -112,8 +104,15 @@ def register() -> None:
     register_attention_backend("kvsieve")(create_backend)
     add_attention_backend_choices(["kvsieve"])
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)
-    HookRegistry.register(_ADMIT_TARGET, admit_compressed_request, HookType.BEFORE)
+    HookRegistry.register(_ADMIT_TARGET, admission.add_request_to_queue, HookType.BEFORE)
+    HookRegistry.register(_INIT_MAX_NEW_TARGET, admission.init_max_new_tokens, HookType.AROUND)
+    HookRegistry.register(_ADDER + "add_one_req", admission.add_req_reserving_prompt_only, HookType.AROUND)
+    HookRegistry.register(_ADDER + "add_chunked_req", admission.add_req_reserving_prompt_only, HookType.AROUND)
+    HookRegistry.register(_ADDER + "_get_running_request_total_token_offset", admission.running_offset,
+                          HookType.AROUND)
     HookRegistry.register(_RELEASE_TARGET, release_region, HookType.AROUND)
     HookRegistry.register(_UNFINISHED_TARGET, keep_chunk_progress, HookType.AROUND)
+    HookRegistry.register(_ALLOC_DECODE_TARGET, alloc_for_decode_skipping_compressed, HookType.AROUND)
+    HookRegistry.register(_PREPARE_DECODE_TARGET, keep_committed_len_at_owned_slots, HookType.AFTER)
     HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
     logger.info("kvsieve plugin registered: attention backend 'kvsieve', kv_usage reporting")

@@ -1,0 +1,53 @@
+"""Integration step 3: compressed requests take no token-pool slot per
+generated token. Their decode KV lives only in the compressed region.
+
+SGLang's `alloc_for_decode` gives every running request one pool slot per
+step and `prepare_for_decode` advances `kv_committed_len`. For compressed rows
+we hand out slot 0 (SGLang's dummy slot, never allocated to anyone, which
+absorbs padded writes) and keep `kv_committed_len == kv.kv_allocated_len`,
+so `release_kv_cache` frees exactly the slots the request really owns
+(its private prompt, if any) and SGLang's leak checks hold unchanged.
+Only non-paged pools (page_size 1, SGLang's default) are handled; other
+configurations keep SGLang's allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .runtime import RUNTIME
+
+
+def _compressed_rows(batch) -> list[int]:
+    return [i for i, req in enumerate(batch.reqs) if req.rid in RUNTIME.requests]
+
+
+def alloc_for_decode_skipping_compressed(original, batch, token_per_req: int):
+    """AROUND hook on sglang.srt.mem_cache.allocation.alloc_for_decode."""
+    from sglang.srt.mem_cache.allocation import _alloc_page_size, alloc_token_slots
+
+    compressed = _compressed_rows(batch)
+    if not compressed or token_per_req != 1 or _alloc_page_size(batch) != 1 \
+            or batch.model_config.is_encoder_decoder:
+        return original(batch, token_per_req)
+    full = [i for i in range(len(batch.reqs)) if i not in set(compressed)]
+    out_cache_loc = torch.zeros(len(batch.reqs), dtype=torch.int64, device=batch.seq_lens.device)
+    if full:
+        rows = torch.tensor(full, dtype=torch.int64, device=batch.seq_lens.device)
+        slots = alloc_token_slots(batch.tree_cache, len(full))
+        out_cache_loc[rows] = slots.to(torch.int64)
+        batch.req_to_token_pool.write(
+            (batch.req_pool_indices[rows], batch.seq_lens[rows]), slots.to(torch.int32))
+        for i in full:
+            batch.reqs[i].kv.kv_allocated_len += 1
+    return out_cache_loc
+
+
+def keep_committed_len_at_owned_slots(result, batch, *args, **kwargs):
+    """AFTER hook on ScheduleBatch.prepare_for_decode: undo the +1 of
+    kv_committed_len for compressed rows, which got no slot."""
+    if batch.spec_algorithm.is_none():
+        for req in batch.reqs:
+            if req.rid in RUNTIME.requests and req.kv is not None:
+                req.kv_committed_len = req.kv.kv_allocated_len
+    return result
