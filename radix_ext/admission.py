@@ -53,7 +53,10 @@ def init_max_new_tokens(original, scheduler, req, *args, **kwargs):
         return original(scheduler, req, *args, **kwargs)
     result = original(scheduler, req, *args, **kwargs)
     if compressed and requested is not None:
-        room = scheduler.max_req_len - len(req.origin_input_ids) - 1
+        # SGLang's max_req_len is also capped by the pool size; a compressed
+        # request's length is bounded by the context only (req_to_token rows
+        # are context-wide, and its generated tokens take no pool slot).
+        room = scheduler.model_config.context_len - 1 - len(req.origin_input_ids) - 1
         req.sampling_params.max_new_tokens = max(0, min(requested, room))
     return result
 

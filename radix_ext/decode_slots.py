@@ -51,3 +51,17 @@ def keep_committed_len_at_owned_slots(result, batch, *args, **kwargs):
             if req.rid in RUNTIME.requests and req.kv is not None:
                 req.kv_committed_len = req.kv.kv_allocated_len
     return result
+
+
+def decode_growth_without_compressed(original, batch, selected_indices=None):
+    """AROUND hook on ScheduleBatch.new_tokens_required_next_decode: a
+    compressed row takes no pool slot next step, so it never counts toward
+    the check that triggers retraction."""
+    if not RUNTIME.requests or not batch.spec_algorithm.is_none():
+        return original(batch, selected_indices)
+    from sglang.srt.mem_cache.allocation import _alloc_page_size
+
+    if _alloc_page_size(batch) != 1 or batch.model_config.is_encoder_decoder:
+        return original(batch, selected_indices)
+    rows = range(len(batch.reqs)) if selected_indices is None else selected_indices
+    return sum(1 for i in rows if batch.reqs[i].rid not in RUNTIME.requests)

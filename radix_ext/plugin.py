@@ -12,7 +12,11 @@ import logging
 import torch
 
 from . import admission
-from .decode_slots import alloc_for_decode_skipping_compressed, keep_committed_len_at_owned_slots
+from .decode_slots import (
+    alloc_for_decode_skipping_compressed,
+    decode_growth_without_compressed,
+    keep_committed_len_at_owned_slots,
+)
 from .runtime import RUNTIME
 from .usage import KV_USAGE_KEY, full_kv_usage, policy_name_of
 
@@ -31,6 +35,7 @@ _RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
 _UNFINISHED_TARGET = "sglang.srt.mem_cache.common.maybe_cache_unfinished_req"
 _ALLOC_DECODE_TARGET = "sglang.srt.mem_cache.allocation.alloc_for_decode"
 _PREPARE_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+_DECODE_GROWTH_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.new_tokens_required_next_decode"
 _SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
 
 
@@ -114,5 +119,6 @@ def register() -> None:
     HookRegistry.register(_UNFINISHED_TARGET, keep_chunk_progress, HookType.AROUND)
     HookRegistry.register(_ALLOC_DECODE_TARGET, alloc_for_decode_skipping_compressed, HookType.AROUND)
     HookRegistry.register(_PREPARE_DECODE_TARGET, keep_committed_len_at_owned_slots, HookType.AFTER)
+    HookRegistry.register(_DECODE_GROWTH_TARGET, decode_growth_without_compressed, HookType.AROUND)
     HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
     logger.info("kvsieve plugin registered: attention backend 'kvsieve', kv_usage reporting")

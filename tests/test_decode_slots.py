@@ -1,0 +1,42 @@
+"""The decode-growth hook: compressed rows take no pool slot next step, so
+SGLang's retraction check counts only the uncompressed rows."""
+
+import os
+from types import SimpleNamespace
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from kvsieve.radix_ext.decode_slots import decode_growth_without_compressed  # noqa: E402
+from kvsieve.radix_ext.runtime import RUNTIME  # noqa: E402
+
+
+def fake_batch(rids):
+    # Only what the hook reads of SGLang's ScheduleBatch.
+    return SimpleNamespace(
+        reqs=[SimpleNamespace(rid=r) for r in rids],
+        spec_algorithm=SimpleNamespace(is_none=lambda: True),
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        tree_cache=SimpleNamespace(page_size=1),
+    )
+
+
+def test_only_uncompressed_rows_need_a_pool_slot():
+    original_calls = []
+
+    def original(batch, selected=None):
+        original_calls.append(selected)
+        return len(batch.reqs)
+
+    RUNTIME.admit("c1", {"kv_policy": {"name": "h2o", "budget": 8}}, prompt_len=4)
+    RUNTIME.admit("c2", {"kv_policy": {"name": "streaming", "budget": 8}}, prompt_len=4)
+    try:
+        batch = fake_batch(["f1", "c1", "f2", "c2"])
+        assert decode_growth_without_compressed(original, batch) == 2
+        assert decode_growth_without_compressed(original, batch, [1, 3]) == 0
+        assert decode_growth_without_compressed(original, batch, [0, 1]) == 1
+        assert original_calls == []
+    finally:
+        RUNTIME.requests.clear()
+    # Without compressed requests SGLang's own count is used.
+    assert decode_growth_without_compressed(original, fake_batch(["f1"])) == 1
+    assert original_calls == [None]
