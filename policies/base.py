@@ -40,6 +40,9 @@ class Policy:
     compresses: ClassVar[bool] = True
     takes_budget: ClassVar[bool] = True
     needs: ClassVar[Need] = Need.NONE
+    #: Whether the hooks update LayerView.score / last_hit (saved back to the
+    #: region after each step only then: it is a write per layer per step).
+    keeps_slot_state: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
     def __init__(self, params: Optional[PolicyParams] = None):

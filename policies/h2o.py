@@ -13,6 +13,7 @@ class H2OPolicy(Policy):
     name = "h2o"
     Params = PolicyParams
     needs = Need.ATTENTION
+    keeps_slot_state = True
     description = "Heavy hitters by accumulated attention plus recent tokens."
 
     def _evict(self, view, budget):

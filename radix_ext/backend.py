@@ -47,7 +47,8 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         return k, v
 
     def _apply(self, req: CompressedRequest, layer_id: int, view, evict) -> None:
-        self.region.write_policy_state(req.rid, layer_id, view)
+        if req.policy.keeps_slot_state:
+            self.region.write_policy_state(req.rid, layer_id, view)
         if evict is not None:
             n = self.region.evict(req.rid, layer_id, evict)
             req.evicted += n
@@ -111,8 +112,6 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
             view, obs = self._prefill_observations(req, layer, q_rows, positions, req_pool_idx)
             budget = req.budget(layer.tp_k_head_num)
             self._apply(req, layer.layer_id, view, req.policy.on_prefill_end(layer.layer_id, view, obs, budget))
-            if last_layer:
-                req.prefill_done = True
         if last_layer:
             RUNTIME.report(req)
 

@@ -81,9 +81,6 @@ class CompressedRegion:
     def pages_used(self) -> int:
         return self.config.num_pages - len(self._free_pages)
 
-    def active_requests(self) -> list[str]:
-        return list(self._requests)
-
     def held_tokens(self, rid: str) -> torch.Tensor:
         """Retained tokens per (layer, head) of a request, [L, H]."""
         table = self._requests[rid].table

@@ -41,7 +41,6 @@ class CompressedRequest:
     eviction_events: int = 0  # (step, layer) pairs that evicted something
     reported_tokens: int = 0  # what the retained gauges hold for this request
     reported_bytes: int = 0
-    prefill_done: bool = False
     #: SGLang's Req, to end it cleanly if the region cannot take its tokens.
     sgl_req: object = None
     #: Set when the region ran out for this request: it is being aborted and

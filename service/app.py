@@ -99,7 +99,6 @@ class OpenAIServer:
             stream=req.stream,
             return_token_ids=req.return_token_ids,
             model=self.model_name,
-            prompt_param=prompt_param,
         )
 
     def chat_job(self, body: dict) -> Job:

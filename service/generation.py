@@ -26,7 +26,6 @@ class Job:
     stream: bool
     return_token_ids: bool
     model: str
-    prompt_param: str  # the field holding the prompt, for error messages
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -43,7 +43,8 @@ TPOT = Histogram(
 )
 KV_TOKENS_IN_USE = Gauge(
     "kvsieve_kv_tokens_in_use",
-    "KV tokens held (retained) by running requests.",
+    "KV tokens of running requests, prompt plus generated so far (what compressed "
+    "requests retain is kvsieve_retained_kv_tokens).",
     ["policy"],
     multiprocess_mode="livesum",
     registry=None,
