@@ -65,3 +65,13 @@ class Policy:
 
     def on_request_end(self) -> None:
         """The request ended (finished, aborted or failed)."""
+
+    # ----- admission ---------------------------------------------------------
+    def max_private_tokens(self, private_prompt: int, max_new_tokens: int, budget: int) -> int:
+        """Most private tokens one (layer, kv_head) can hold at once: the
+        request's compressed ceiling, which admission reserves in the region.
+
+        The default fits a policy that evicts down to `budget` at prefill end
+        and after every decode step: the whole private prompt is held until
+        prefill ends, and a decode step stores its token before evicting."""
+        return min(private_prompt + max_new_tokens, max(private_prompt, budget + 1))

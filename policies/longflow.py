@@ -10,9 +10,9 @@ import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams
-from .observations import Need, rank_by_position
+from .observations import LayerObservations, Need, rank_by_position
 from .registry import register_policy
-from .snapkv import SnapKVParams, SnapKVPolicy
+from .snapkv import SnapKVParams, snapkv_keep
 
 
 class LongFlowParams(PolicyParams):
@@ -26,12 +26,17 @@ class LongFlowPolicy(Policy):
     needs = Need.PV_NORM | Need.ATTENTION
     description = "Static cache: each step the new token overwrites the lowest |p*v| slot of the layer."
 
-    def on_request_begin(self, num_layers, num_kv_heads):
-        self._prefill = SnapKVPolicy(SnapKVParams())
-
     def on_prefill_end(self, layer, view, obs, budget):
-        # One budget per layer: the heads hold the same tokens in the same slots.
-        return self._prefill.on_prefill_end(layer, view, obs, budget.min().expand_as(budget))
+        # Cut the prompt to exactly the budget (window included), layer-wide:
+        # prompt slots line up across heads, so scoring with the attention
+        # summed over heads keeps the same tokens in the same slots of every
+        # head, which the per-layer decode eviction relies on.
+        b = int(budget.min())
+        snap = SnapKVParams()
+        window = min(snap.window, b)
+        layer_obs = LayerObservations(attention=obs.attention.sum(dim=0, keepdim=True).expand_as(obs.attention))
+        keep = snapkv_keep(view, layer_obs, window, snap.kernel, torch.full_like(budget, b - window))
+        return view.valid & ~keep
 
     def on_decode_step(self, step, layer, view, obs, budget):
         # Slots line up across heads (evictions are always layer-wide), so a

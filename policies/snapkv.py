@@ -35,6 +35,15 @@ def pool_by_position(scores: torch.Tensor, view, kernel: int) -> torch.Tensor:
     return out
 
 
+def snapkv_keep(view, obs, window: int, kernel: int, top_k: torch.Tensor) -> torch.Tensor:
+    """SnapKV's selection, [H, S] bool: the newest `window` slots of each head
+    plus its `top_k` others of highest pooled attention. obs.attention is the
+    mass each slot received from the prompt's last queries."""
+    recent = view.valid & (rank_by_position(view, newest_first=True) < window)
+    pooled = pool_by_position(obs.attention, view, kernel)
+    return recent | keep_top_k(pooled, view.valid & ~recent, top_k)
+
+
 @register_policy
 class SnapKVPolicy(Policy):
     name = "snapkv"
@@ -43,8 +52,9 @@ class SnapKVPolicy(Policy):
     description = "Prefill-time selection by the attention of the prompt's last queries."
 
     def on_prefill_end(self, layer, view, obs, budget):
-        # obs.attention: mass each slot received from the last `window` prompt queries.
-        window = view.valid & (rank_by_position(view, newest_first=True) < self.params.window)
-        pooled = pool_by_position(obs.attention, view, self.params.kernel)
-        keep = window | keep_top_k(pooled, view.valid & ~window, budget)
-        return view.valid & ~keep
+        return view.valid & ~snapkv_keep(view, obs, self.params.window, self.params.kernel, budget)
+
+    def max_private_tokens(self, private_prompt, max_new_tokens, budget):
+        # The selection keeps window + budget prompt tokens; decode only adds.
+        kept = min(private_prompt, budget + self.params.window)
+        return max(private_prompt, kept + max_new_tokens)

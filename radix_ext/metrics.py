@@ -44,6 +44,18 @@ REGION_PAGES = Gauge(
 )
 
 
+REGION_RESERVED_PAGES = Gauge(
+    "kvsieve_region_reserved_pages",
+    "Pages of the compressed region reserved for running requests' compressed ceilings.",
+    multiprocess_mode="livesum",
+    registry=None,
+)
+
+
+def record_region_reserved(pages: int) -> None:
+    REGION_RESERVED_PAGES.set(pages)
+
+
 def record_region(pages_used: int, pages_free: int) -> None:
     REGION_PAGES.labels("used").set(pages_used)
     REGION_PAGES.labels("free").set(pages_free)

@@ -29,6 +29,7 @@ _COLLECT_TARGET = (
 )
 
 _ADMIT_TARGET = "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue"
+_ABORT_TARGET = "sglang.srt.managers.scheduler.Scheduler.abort_request"
 _INIT_MAX_NEW_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder."
 _RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
@@ -111,8 +112,10 @@ def register() -> None:
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)
     HookRegistry.register(_ADMIT_TARGET, admission.add_request_to_queue, HookType.BEFORE)
     HookRegistry.register(_INIT_MAX_NEW_TARGET, admission.init_max_new_tokens, HookType.AROUND)
-    HookRegistry.register(_ADDER + "add_one_req", admission.add_req_reserving_prompt_only, HookType.AROUND)
-    HookRegistry.register(_ADDER + "add_chunked_req", admission.add_req_reserving_prompt_only, HookType.AROUND)
+    HookRegistry.register(_ADDER + "add_one_req", admission.add_one_req_by_ceiling, HookType.AROUND)
+    HookRegistry.register(_ADDER + "add_chunked_req", admission.add_chunked_req_reserving_prompt_only,
+                          HookType.AROUND)
+    HookRegistry.register(_ABORT_TARGET, admission.forget_aborted_in_queue, HookType.AFTER)
     HookRegistry.register(_ADDER + "_get_running_request_total_token_offset", admission.running_offset,
                           HookType.AROUND)
     HookRegistry.register(_RELEASE_TARGET, release_region, HookType.AROUND)

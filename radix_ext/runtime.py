@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kvsieve.policies import KVPolicySpec, Policy, get_policy, parse_kv_policy
+from kvsieve.policies import KVPolicyError, KVPolicySpec, Policy, get_policy, parse_kv_policy
 
 from . import metrics
 from .region import CompressedRegion, RegionConfig
@@ -43,18 +43,33 @@ class CompressedRequest:
     reported_bytes: int = 0
     #: SGLang's Req, to end it cleanly if the region cannot take its tokens.
     sgl_req: object = None
+    #: Region pages reserved at admission for the request's compressed
+    #: ceiling; 0 while it waits.
+    reserved_pages: int = 0
     #: Set when the region ran out for this request: it is being aborted and
-    #: the backend leaves its rows to SGLang's path until it ends.
+    #: the backend leaves its rows to SGLang's path until it ends. Admission
+    #: reserves the ceiling, so this is a guard against accounting bugs only.
     overflowed: bool = False
 
-    def budget(self, num_kv_heads: int) -> torch.Tensor:
+    def budget_tokens(self, private_tokens: int) -> int:
+        """Budget per (layer, head) once `private_tokens` are seen."""
         if self.spec.budget is not None:
-            b = self.spec.budget
-        elif self.spec.budget_ratio is not None:
-            b = max(MIN_RATIO_BUDGET, math.ceil(self.spec.budget_ratio * max(self.private_seen, 1)))
-        else:
-            b = DEFAULT_BUDGET
-        return torch.full((num_kv_heads,), b, dtype=torch.int64)
+            return self.spec.budget
+        if self.spec.budget_ratio is not None:
+            return max(MIN_RATIO_BUDGET, math.ceil(self.spec.budget_ratio * max(private_tokens, 1)))
+        return DEFAULT_BUDGET
+
+    def budget(self, num_kv_heads: int) -> torch.Tensor:
+        return torch.full((num_kv_heads,), self.budget_tokens(self.private_seen), dtype=torch.int64)
+
+    def ceiling_pages(self, private_prompt: int, max_new_tokens: int, config: RegionConfig) -> int:
+        """Region pages the request can hold at most: its policy's peak per
+        (layer, head), in whole pages (a head takes a new page only when all
+        of its pages are full, so it never holds more than this)."""
+        final_budget = self.budget_tokens(private_prompt + max_new_tokens)  # budgets only grow
+        peak = self.policy.max_private_tokens(private_prompt, max_new_tokens, final_budget)
+        per_head = -(-max(peak, 1) // config.page_size)
+        return per_head * config.num_layers * config.num_kv_heads
 
 
 class KVRuntime:
@@ -62,6 +77,7 @@ class KVRuntime:
         self.region: Optional[CompressedRegion] = None
         self.requests: dict[str, CompressedRequest] = {}
         self.finished: dict[str, dict] = {}  # rid -> final usage, until reported
+        self.reserved_pages = 0  # sum of the running requests' ceilings
 
     # ----- set-up, by the attention backend once the model is known ---------
     def ensure_region(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device,
@@ -96,16 +112,56 @@ class KVRuntime:
         spec = parse_kv_policy(value)  # the front end validated it; this guards direct engine use
         if not spec.compresses:
             return
+        if self.region is None:
+            raise KVPolicyError("kv_policy", f"{spec.name!r} compresses, and this engine does not run "
+                                             "kvsieve's attention backend")
         policy = get_policy(spec.name)(get_policy(spec.name).Params.model_validate(spec.params))
         self.requests[rid] = CompressedRequest(rid=rid, spec=spec, policy=policy, prompt_len=prompt_len,
                                                sgl_req=sgl_req)
+
+    # ----- region admission ---------------------------------------------------
+    def exceeds_region(self, req: CompressedRequest, max_new_tokens: int) -> Optional[str]:
+        """Why the request can never run (its ceiling with nothing shared
+        exceeds the whole region), or None."""
+        cfg = self.region.config
+        need = req.ceiling_pages(req.prompt_len, max_new_tokens, cfg)
+        if need <= cfg.num_pages:
+            return None
+        # Starts with the field, which the API reports as the error's param.
+        return (f"kv_policy: this request may hold {need} pages of the compressed region "
+                f"(prompt {req.prompt_len} + max_tokens {max_new_tokens} tokens, budget "
+                f"{req.budget_tokens(req.prompt_len + max_new_tokens)} per layer and kv head), but the region "
+                f"has {cfg.num_pages}; lower max_tokens or the budget")
+
+    def fits(self, req: CompressedRequest, private_prompt: int, max_new_tokens: int) -> bool:
+        """Whether the request's ceiling fits next to the running requests'
+        ceilings (always, once it is reserved)."""
+        if req.reserved_pages:
+            return True
+        need = req.ceiling_pages(private_prompt, max_new_tokens, self.region.config)
+        return self.reserved_pages + need <= self.region.config.num_pages
+
+    def reserve(self, req: CompressedRequest, private_prompt: int, max_new_tokens: int) -> None:
+        """The request was admitted: hold its ceiling until it ends."""
+        if req.reserved_pages:
+            return
+        req.reserved_pages = req.ceiling_pages(private_prompt, max_new_tokens, self.region.config)
+        self.reserved_pages += req.reserved_pages
+        metrics.record_region_reserved(self.reserved_pages)
+
+    def forget_unadmitted(self, rids) -> None:
+        """Drop requests aborted before admission: they hold nothing."""
+        for rid in rids:
+            req = self.requests.get(rid)
+            if req is not None and not req.reserved_pages and req.prefix_len < 0:
+                del self.requests[rid]
 
     def overflow(self, req: CompressedRequest) -> None:
         """The region is full: free this request's pages now and end it with
         a 503 (retry later). Other requests keep running untouched.
 
-        Admission by the compressed ceiling (integration step 4) will make
-        requests wait instead; until then this keeps the engine alive."""
+        Cannot happen while every request stays within its reserved ceiling;
+        it keeps the engine alive if a policy breaks its own ceiling."""
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -139,6 +195,9 @@ class KVRuntime:
         req = self.requests.pop(rid, None)
         if req is None:
             return
+        if req.reserved_pages:
+            self.reserved_pages -= req.reserved_pages
+            metrics.record_region_reserved(self.reserved_pages)
         if self.region is not None and req.prefix_len >= 0:
             cfg = self.region.config
             held = int(self.region.held_tokens(rid).sum())

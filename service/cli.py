@@ -19,6 +19,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-total-tokens", type=int, default=65536,
                    help="KV pool size in tokens (default 65536; SGLang would size it from memory)")
     p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--max-queued-requests", type=int,
+                   help="requests waiting past this many get 503 + Retry-After (default: no limit)")
     p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk, in tokens")
     p.add_argument("--presets", help="JSON file of named kv_policy presets")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

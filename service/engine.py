@@ -20,6 +20,7 @@ class EngineSettings:
     context_length: Optional[int] = None
     max_total_tokens: Optional[int] = None
     max_running_requests: Optional[int] = None
+    max_queued_requests: Optional[int] = None
     dtype: str = "auto"
     random_seed: int = 0
     log_level: str = "warning"
@@ -42,7 +43,7 @@ class EngineSettings:
             kwargs.update(device="cpu", attention_backend="kvsieve", disable_cuda_graph=True)
         else:
             kwargs.update(device="cuda", attention_backend="triton")
-        for name in ("context_length", "max_total_tokens", "max_running_requests"):
+        for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value

@@ -3,6 +3,7 @@ parameters, streaming deltas, abort on disconnect, usage and metrics."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ def resolve_max_tokens(requested: Optional[int], prompt_len: int, context_len: i
     return requested
 
 
+#: Engine-side kv_policy errors (radix_ext) start with the field they concern.
+_ENGINE_FIELD_ERROR = re.compile(r"^(kv_policy[\w.\[\]]*): ")
+
+
 def _finish_reason(meta_info: dict) -> Optional[str]:
     reason = meta_info.get("finish_reason")
     if not reason:
@@ -89,9 +94,12 @@ def _finish_reason(meta_info: dict) -> Optional[str]:
         # SGLang aborts with a status code for bad input it detects itself.
         details = reason if isinstance(reason, dict) else {}
         status = int(details.get("status_code") or 500)
+        message = details.get("message") or "unknown reason"
+        field = _ENGINE_FIELD_ERROR.match(message)
         raise APIError(
             status,
-            f"request aborted by the engine: {details.get('message') or 'unknown reason'}",
+            f"request aborted by the engine: {message}",
+            param=field.group(1) if field else None,
             type_="invalid_request_error" if status < 500 else "server_error",
         )
     return "length" if kind == "length" else "stop"

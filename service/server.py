@@ -67,6 +67,7 @@ def serve(args) -> None:
         context_length=args.context_length,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         dtype=args.dtype,
         log_level=args.log_level,
         extra={"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {},

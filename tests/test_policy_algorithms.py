@@ -121,6 +121,39 @@ def test_longflow_matches_reference(budget):
     assert len(held) == budget
 
 
+@pytest.mark.parametrize("budget", [6, 20, 36])
+def test_longflow_prefill_cuts_to_the_budget_layer_wide(budget):
+    gen = torch.Generator().manual_seed(budget)
+    policy = get_policy("longflow")()
+    policy.on_request_begin(1, H)
+    view = empty_view()
+    for p in range(40):
+        store(view, p)
+    table = torch.rand(H, 64, generator=gen)
+    apply(view, policy.on_prefill_end(0, view, LayerObservations(attention=per_slot(view, table)),
+                                      torch.full((H,), budget)))
+    window = min(32, budget)  # snapkv's default window, counted inside the budget
+    summed = {p: float(table[:, p].sum()) for p in range(40)}
+    expected = ref.snapkv_keep(summed, budget - window, window, 7)
+    assert len(expected) == budget
+    for h in range(H):
+        assert held_positions(view, h) == expected
+    assert (view.position == view.position[0]).all()  # the same token in the same slot of every head
+
+
+@pytest.mark.parametrize("name, private, new, budget, peak", [
+    ("h2o", 10, 100, 32, 33),        # decode fills to budget, +1 before each eviction
+    ("h2o", 50, 100, 32, 50),        # the whole prompt is held until prefill ends
+    ("h2o", 10, 5, 32, 15),          # never more than the request's length
+    ("streaming", 10, 100, 8, 10),
+    ("longflow", 10, 100, 32, 33),
+    ("snapkv", 100, 50, 16, 100),    # keeps 16 + window 32 of the prompt, then only adds
+    ("snapkv", 100, 80, 16, 128),
+])
+def test_compressed_ceiling_bounds_what_a_head_can_hold(name, private, new, budget, peak):
+    assert get_policy(name)().max_private_tokens(private, new, budget) == peak
+
+
 def test_policy_params_are_validated():
     from kvsieve.policies import KVPolicyError, parse_kv_policy
 
