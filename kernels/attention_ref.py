@@ -1,11 +1,14 @@
 """Reference attention for a compressed request (PyTorch; a Triton kernel of
 the same signature replaces it on GPU).
 
-One query token per request attends to two parts: the radix-shared prefix in
-SGLang's token pool (dense) and the request's private slots in the
-compressed region (paged, with a valid mask). Each part is reduced on its
-own (split-KV) and the two are merged with their log-sum-exp, giving one
-softmax over both. Observations for the policy come from the same pass.
+Queries of one request (one per decode step, or the chunk of its private
+prompt being prefilled) attend to two parts: the radix-shared prefix in
+SGLang's token pool (dense, visible to every query, since it precedes them)
+and the request's private slots in the compressed region (paged; a mask says
+which slots each query sees: valid, and causal in an extend). Each part is
+reduced on its own (split-KV) and the two are merged with their log-sum-exp,
+which gives one softmax over both. Observations for the policy come from
+the same pass.
 """
 
 from __future__ import annotations
@@ -17,49 +20,51 @@ import torch
 from kvsieve.policies.observations import LayerObservations, Need
 
 SPARSITY_THRESHOLD = 0.01  # a probability below 1% of its row's maximum counts as sparse
+_FLOOR = torch.finfo(torch.float32).min
 
 
-def _part(q: torch.Tensor, k: torch.Tensor, valid: Optional[torch.Tensor], scale: float):
-    """Logits of one part. q [Hkv, G, D]; k [Hkv, N, D]; valid [Hkv, N] or None."""
-    logits = torch.einsum("hgd,hnd->hgn", q.float(), k.float()) * scale
-    if valid is not None:
-        logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    return logits
+def _reduce(logits: torch.Tensor, v: torch.Tensor, spec: str):
+    """One part's (row max, sum of exp, exp-weighted sum of v); an empty or
+    fully masked part weighs nothing after the merge."""
+    if logits.shape[-1] == 0:
+        m = torch.full((*logits.shape[:-1], 1), _FLOOR, device=logits.device)
+    else:
+        m = logits.amax(dim=-1, keepdim=True).clamp(min=_FLOOR)
+    e = torch.exp(logits - m)
+    return m, e.sum(-1, keepdim=True), torch.einsum(spec, e, v.float())
 
 
-def attend_decode(
+def attend(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
     prefix_v: torch.Tensor,
     region_k: torch.Tensor,
     region_v: torch.Tensor,
-    region_valid: torch.Tensor,
+    region_mask: torch.Tensor,
     scale: float,
     needs: Need = Need.NONE,
+    observe: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, LayerObservations]:
-    """Attention output [Hq, D] and the region's observations.
+    """Attention output [T, Hq, Dv] and the region's observations.
 
-    q [Hq, D]; prefix_k/v [T, Hkv, D] (T may be 0); region_k/v [Hkv, S, D];
-    region_valid [Hkv, S]. Query head h reads kv head h // (Hq // Hkv).
+    q [T, Hq, D]; prefix_k/v [P, Hkv, D] (P may be 0); region_k/v [Hkv, S, D];
+    region_mask [T, Hkv, S], True where query t sees slot s. Query head h
+    reads kv head h // (Hq // Hkv). Observations sum over the queries marked
+    in `observe` ([T] bool; all if None): attention and ||p v||_1 per slot
+    [Hkv, S] (summed over each kv head's query group too), and sparsity per
+    query head [Hq] (averaged over the observed queries).
     """
-    Hq, D = q.shape
+    T, Hq, D = q.shape
     Hkv = region_k.shape[0]
     G = Hq // Hkv
-    qg = q.view(Hkv, G, D)
+    qg = q.float().view(T, Hkv, G, D)
 
-    # Part 1: prefix. Part 2: region. Each gives (max, sum of exp, weighted sum).
-    parts = []
-    for k, v, valid in ((prefix_k.transpose(0, 1), prefix_v.transpose(0, 1), None),
-                        (region_k, region_v, region_valid)):
-        logits = _part(qg, k, valid, scale)  # [Hkv, G, N]
-        if logits.shape[-1] == 0:  # an empty part (no shared prefix) weighs nothing
-            m = torch.full((*logits.shape[:-1], 1), torch.finfo(torch.float32).min, device=logits.device)
-        else:
-            m = logits.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-        e = torch.exp(logits - m)
-        parts.append((logits, m, e.sum(-1, keepdim=True), torch.einsum("hgn,hnd->hgd", e, v.float())))
-
-    (lp, mp, sp, op), (lr, mr, sr, orr) = parts
+    lp = torch.einsum("thgd,phd->thgp", qg, prefix_k.float()) * scale  # [T, Hkv, G, P]
+    lr = torch.einsum("thgd,hsd->thgs", qg, region_k.float()) * scale  # [T, Hkv, G, S]
+    visible = region_mask.unsqueeze(2)  # [T, Hkv, 1, S]
+    lr = lr.masked_fill(~visible, float("-inf"))
+    mp, sp, op = _reduce(lp, prefix_v, "thgp,phd->thgd")
+    mr, sr, orr = _reduce(lr, region_v, "thgs,hsd->thgd")
     m = torch.maximum(mp, mr)
     wp, wr = torch.exp(mp - m), torch.exp(mr - m)
     denom = sp * wp + sr * wr
@@ -67,20 +72,31 @@ def attend_decode(
 
     obs = LayerObservations()
     if needs & (Need.ATTENTION | Need.PV_NORM | Need.SPARSITY):
+        rows = torch.ones(T, dtype=torch.bool, device=q.device) if observe is None else observe
         # Probabilities of the joint softmax, recovered from the merged statistics.
-        pr = torch.exp(lr - m) / denom  # [Hkv, G, S]
-        if needs & Need.ATTENTION:
-            obs.attention = pr.sum(dim=1)
-        if needs & Need.PV_NORM:
-            # ||p v||_1 = p * ||v||_1 since p >= 0; summed over the query group.
-            obs.pv_norm = pr.sum(dim=1) * region_v.float().abs().sum(-1)
+        pr = (torch.exp(lr - m) / denom)[rows]  # [T', Hkv, G, S]
+        if needs & (Need.ATTENTION | Need.PV_NORM):
+            mass = pr.sum(dim=(0, 2))  # [Hkv, S]
+            if needs & Need.ATTENTION:
+                obs.attention = mass
+            if needs & Need.PV_NORM:
+                # ||p v||_1 = p * ||v||_1 since p >= 0.
+                obs.pv_norm = mass * region_v.float().abs().sum(-1)
         if needs & Need.SPARSITY:
-            pp = torch.exp(lp - m) / denom
-            row_max = pr.amax(-1, keepdim=True)
-            if pp.shape[-1]:
-                row_max = torch.maximum(row_max, pp.amax(-1, keepdim=True))
+            pp = (torch.exp(lp - m) / denom)[rows]
+            seen = visible[rows]
+            row_max = torch.maximum(pr.amax(-1, keepdim=True), pp.amax(-1, keepdim=True)
+                                    if pp.shape[-1] else torch.zeros_like(m[rows]))
             cutoff = SPARSITY_THRESHOLD * row_max
-            sparse = (pp < cutoff).sum(-1) + ((pr < cutoff) & region_valid.unsqueeze(1)).sum(-1)
-            total = pp.shape[-1] + region_valid.sum(-1, keepdim=True)
-            obs.sparsity = (sparse / total).reshape(Hq).float()
-    return out.reshape(Hq, D).to(q.dtype), obs
+            sparse = (pp < cutoff).sum(-1) + ((pr < cutoff) & seen).sum(-1)  # [T', Hkv, G]
+            total = pp.shape[-1] + seen.sum(-1)
+            obs.sparsity = (sparse / total).mean(dim=0).reshape(Hq).float()
+    return out.reshape(T, Hq, -1).to(q.dtype), obs
+
+
+def attend_decode(q, prefix_k, prefix_v, region_k, region_v, region_valid, scale, needs=Need.NONE):
+    """One decode query q [Hq, D] over the prefix and the valid region slots:
+    attend() with T = 1. Output [Hq, Dv]."""
+    out, obs = attend(q.unsqueeze(0), prefix_k, prefix_v, region_k, region_v, region_valid.unsqueeze(0),
+                      scale, needs)
+    return out[0], obs

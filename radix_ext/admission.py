@@ -41,8 +41,9 @@ def _admit(req) -> bool:
     if req.to_finish is not None:  # already refused (set_finish_with_abort): it runs one token, plainly
         return False
     if req.rid not in RUNTIME.requests:
+        # A retracted request comes back with its outputs to prefill again.
         RUNTIME.admit(req.rid, getattr(req.sampling_params, "custom_params", None),
-                      len(req.origin_input_ids), sgl_req=req)
+                      len(req.origin_input_ids) + len(req.output_ids), sgl_req=req)
     if req.rid in RUNTIME.requests:
         # It reads the radix-matched prefix but never inserts its own tokens.
         req.skip_radix_cache_insert = True

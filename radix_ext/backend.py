@@ -1,18 +1,16 @@
 """kvsieve's attention backend (SGLang registry name "kvsieve").
 
 Rows of requests without a compressing policy take SGLang's torch_native path
-unchanged. For a compressed request the backend also keeps its private tokens
-(the prompt tail past the radix-matched prefix, and every generated token) in
-the compressed region, and its decode attention reads the shared prefix from
-SGLang's token pool plus the region's retained slots, with one softmax over
-both (kernels.attention_ref). The policy then decides evictions from the
+unchanged. A compressed request keeps its private tokens (the prompt tail
+past the radix-matched prefix, and every generated token) in the compressed
+region. Its attention, in extend and in decode, reads the shared prefix from
+SGLang's token pool plus its region slots, with one softmax over both
+(kernels.attention_ref); the policy then decides evictions from the
 observations of that same pass.
 
-Generated tokens of a compressed request take no token-pool slot
-(decode_slots.py): their K/V exist only in the region. The private prompt is
-still prefilled through the pool and kept there until the request ends, and
-admission still reserves max_new_tokens (steps 2 and 4 of
-docs/design/radix_ext-integration.md).
+Its tokens take no token-pool slot once its prefill ends: generated tokens
+are given SGLang's dummy slot (decode_slots.py) and the private prompt's
+slots are freed after the last prefill chunk (plugin.py).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from kvsieve.kernels.attention_ref import attend_decode
+from kvsieve.kernels.attention_ref import attend, attend_decode
 from kvsieve.policies import LayerObservations, Need
 
 from .region import RegionFull
@@ -29,6 +27,8 @@ from .runtime import RUNTIME, CompressedRequest
 
 #: Prompt queries whose attention scores the prompt at prefill end (snapkv's window).
 DEFAULT_OBSERVATION_WINDOW = 32
+#: Prompt queries attended together: bounds the [queries, heads, slots] logits.
+EXTEND_QUERY_BLOCK = 256
 
 
 class KvsieveAttnBackend(TorchNativeAttnBackend):
@@ -54,66 +54,96 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
             req.evicted += n
             req.eviction_events += int(n > 0)
 
-    def _prefill_observations(self, req, layer, q_rows, positions, req_pool_idx):
-        """Attention mass / |p v| of the prompt's last queries over the region."""
-        needs = req.policy.needs & (Need.ATTENTION | Need.PV_NORM)
-        rk, rv, view = self.region.layer_slots(req.rid, layer.layer_id)
-        obs = LayerObservations()
-        if not needs:
-            return view, obs
-        pk, pv = self._prefix_kv(layer.layer_id, req_pool_idx, req.prefix_len)
-        window = getattr(req.policy.params, "window", DEFAULT_OBSERVATION_WINDOW)
-        for q_row, pos in list(zip(q_rows, positions))[-window:]:
-            causal = view.valid & (view.position <= pos)
-            _, step_obs = attend_decode(q_row, pk, pv, rk, rv, causal, layer.scaling, needs)
-            for name in ("attention", "pv_norm"):
-                value = getattr(step_obs, name)
-                if value is not None:
-                    current = getattr(obs, name)
-                    setattr(obs, name, value if current is None else current + value)
-        return view, obs
-
     # ----- SGLang entry points ----------------------------------------------
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        if not RUNTIME.requests or layer.is_cross_attention:
-            return o
-        H, D = layer.tp_k_head_num, layer.qk_head_dim
+        rows = [RUNTIME.requests.get(rid) for rid in forward_batch.rids] if RUNTIME.requests else []
+        if not any(rows) or layer.is_cross_attention or forward_batch.encoder_lens is not None:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        Hq, H, D = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        q3 = q.view(-1, Hq, D)
         k3, v3 = k.view(-1, H, D), v.view(-1, H, layer.v_head_dim)
-        q3 = q.view(-1, layer.tp_q_head_num, D)
-        start = 0
-        for i, rid in enumerate(forward_batch.rids):
-            ext = forward_batch.extend_seq_lens_cpu[i]
-            req = RUNTIME.requests.get(rid)
+        o3 = q3.new_empty((q3.shape[0], Hq, layer.v_head_dim))
+        if save_kv_cache:
+            # Every row's tokens go to the pool slots SGLang allocated; a
+            # compressed row's private prompt slots are freed once its prefill
+            # ends (plugin.free_private_prompt_slots), since only the region is read.
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+        starts = [0]
+        for n in forward_batch.extend_seq_lens_cpu:
+            starts.append(starts[-1] + n)
+        full = [i for i, req in enumerate(rows) if req is None or req.overflowed]
+        if full:
+            self._extend_rows_from_pool(q3, o3, layer, forward_batch, full, starts)
+        for i, req in enumerate(rows):
             if req is not None and not req.overflowed:
-                self._extend_row(req, layer, forward_batch, i, q3[start:start + ext], k3[start:start + ext], v3[start:start + ext])
-            start += ext
-        return o
+                span = slice(starts[i], starts[i + 1])
+                o3[span] = self._extend_row(req, layer, forward_batch, i, q3[span], k3[span], v3[span])
+        return o3.reshape(q3.shape[0], Hq * layer.v_head_dim)
+
+    def _extend_rows_from_pool(self, q3, o3, layer, forward_batch, rows, starts):
+        """SGLang's own extend attention for the uncompressed rows."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=q3.device)
+        tokens = torch.cat([torch.arange(starts[i], starts[i + 1], device=q3.device) for i in rows])
+        out = q3.new_empty((tokens.numel(), q3.shape[1], o3.shape[2]))
+        window = layer.sliding_window_size
+        self._run_sdpa_forward_extend(
+            q3[tokens], out,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices[idx], forward_batch.seq_lens[idx],
+            forward_batch.extend_prefix_lens[idx], forward_batch.extend_seq_lens[idx], None,
+            scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+            causal=True, is_cross_attn=False,
+            sliding_window_size=window if window is not None and window > -1 else None,
+        )
+        o3[tokens] = out
 
     def _extend_row(self, req, layer, forward_batch, i, q_rows, k_rows, v_rows):
+        """One chunk of a compressed request's private prompt: store its
+        tokens in the region, attend over prefix + region (causal), and at the
+        prompt's end let the policy select. Returns the chunk's output."""
         prefix = forward_batch.extend_prefix_lens_cpu[i]
         if req.prefix_len < 0:
             RUNTIME.begin(req, prefix)
-        positions = list(range(prefix, prefix + k_rows.shape[0]))
-        stored = 0
+        T = k_rows.shape[0]
         try:
-            for j, pos in enumerate(positions):
-                if pos >= req.prefix_len:
-                    self.region.store(req.rid, layer.layer_id, k_rows[j], v_rows[j], pos)
-                    stored += 1
+            for j in range(T):
+                self.region.store(req.rid, layer.layer_id, k_rows[j], v_rows[j], prefix + j)
         except RegionFull:
             RUNTIME.overflow(req)
-            return
+            return q_rows.new_zeros((T, q_rows.shape[1], v_rows.shape[2]))
         last_layer = layer.layer_id == self.num_layers - 1
         if last_layer:
-            req.private_seen += stored
-        if positions and positions[-1] + 1 >= req.prompt_len:  # this chunk ends the prompt
-            req_pool_idx = int(forward_batch.req_pool_indices[i])
-            view, obs = self._prefill_observations(req, layer, q_rows, positions, req_pool_idx)
+            req.private_seen += T
+        ends_prompt = prefix + T >= req.prompt_len
+        rk, rv, view = self.region.layer_slots(req.rid, layer.layer_id)
+        pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
+        needs = req.policy.needs & (Need.ATTENTION | Need.PV_NORM)
+        window = getattr(req.policy.params, "window", DEFAULT_OBSERVATION_WINDOW)
+        positions = torch.arange(prefix, prefix + T, device=q_rows.device)
+        out = q_rows.new_empty((T, q_rows.shape[1], v_rows.shape[2]))
+        for b in range(0, T, EXTEND_QUERY_BLOCK):
+            pos = positions[b:b + EXTEND_QUERY_BLOCK]
+            mask = view.valid.unsqueeze(0) & (view.position.unsqueeze(0) <= pos.view(-1, 1, 1))
+            # The prompt's last `window` queries score it for the policy, in
+            # whichever chunks they fall (slots only append before selection).
+            observe = pos >= req.prompt_len - window
+            block_needs = needs if bool(observe.any()) else Need.NONE
+            o, obs = attend(q_rows[b:b + EXTEND_QUERY_BLOCK], pk, pv, rk, rv, mask, layer.scaling,
+                            block_needs, observe=observe)
+            out[b:b + EXTEND_QUERY_BLOCK] = o.to(out.dtype)
+            if block_needs:
+                req.add_prefill_observations(layer.layer_id, obs)
+        if ends_prompt:
+            obs = req.take_prefill_observations(layer.layer_id, view.valid.shape[1])
             budget = req.budget(layer.tp_k_head_num)
             self._apply(req, layer.layer_id, view, req.policy.on_prefill_end(layer.layer_id, view, obs, budget))
         if last_layer:
+            if ends_prompt:
+                RUNTIME.shrink_reservation(req)
             RUNTIME.report(req)
+        return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         rows = [RUNTIME.requests.get(rid) for rid in forward_batch.rids] if RUNTIME.requests else []

@@ -1,25 +1,62 @@
-"""Integration step 3: compressed requests take no token-pool slot per
-generated token. Their decode KV lives only in the compressed region.
+"""Integration steps 2b and 3: compressed requests hold no token-pool slot
+of their own once their prefill ends. Their private KV lives only in the
+compressed region; in the pool they keep reading the radix-shared prefix.
+
+Private prompt: SGLang allocates pool slots for every prefilled token; the
+backend writes them there and into the region, but reads only the region.
+After the last prefill chunk `free_private_prompt_slots` returns those
+slots to the allocator and sets kv_allocated_len back to the shared prefix,
+as SGLang's own streaming sessions do when they drop a tail.
 
 SGLang's `alloc_for_decode` gives every running request one pool slot per
 step and `prepare_for_decode` advances `kv_committed_len`. For compressed rows
 we hand out slot 0 (SGLang's dummy slot, never allocated to anyone, which
 absorbs padded writes) and keep `kv_committed_len == kv.kv_allocated_len`,
 so `release_kv_cache` frees exactly the slots the request really owns
-(its private prompt, if any) and SGLang's leak checks hold unchanged.
+(none once its prefill ended) and SGLang's leak checks hold unchanged.
 Only non-paged pools (page_size 1, SGLang's default) are handled; other
 configurations keep SGLang's allocation.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .runtime import RUNTIME
 
+logger = logging.getLogger(__name__)
+
 
 def _compressed_rows(batch) -> list[int]:
     return [i for i, req in enumerate(batch.reqs) if req.rid in RUNTIME.requests]
+
+
+def free_private_prompt_slots(req, tree_cache) -> None:
+    """Return a compressed request's private prompt slots to the pool once
+    its prefill is done. release_kv_cache then frees nothing more of its own
+    (committed = allocated = shared prefix) and only unlocks the prefix."""
+    compressed = RUNTIME.requests.get(req.rid)
+    allocator = tree_cache.token_to_kv_pool_allocator
+    if compressed is None or req.kv is None or allocator.page_size != 1:
+        return
+    shared = compressed.prefix_len
+    if shared < 0 or shared != req.cache_protected_len:
+        # The backend and SGLang disagree on the shared prefix: leave SGLang's
+        # accounting alone; the slots are freed when the request ends.
+        logger.warning("kvsieve: request %s keeps its prompt slots (prefix %d, protected %d)",
+                       req.rid, shared, req.cache_protected_len)
+        return
+    end = req.kv.kv_allocated_len
+    if end > shared:
+        row = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+        allocator.free(row[shared:end].to(torch.int64))
+        row[shared:end] = 0  # SGLang's dummy slot; nothing reads these entries
+        req.kv.kv_allocated_len = shared
+        RUNTIME.pool_slots_freed = True
+    req.kv_committed_len = shared
+    req.prefix_indices = req.prefix_indices[:shared]
 
 
 def alloc_for_decode_skipping_compressed(original, batch, token_per_req: int):

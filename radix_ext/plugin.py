@@ -15,6 +15,7 @@ from . import admission
 from .decode_slots import (
     alloc_for_decode_skipping_compressed,
     decode_growth_without_compressed,
+    free_private_prompt_slots,
     keep_committed_len_at_owned_slots,
 )
 from .runtime import RUNTIME
@@ -34,6 +35,7 @@ _INIT_MAX_NEW_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder."
 _RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
 _UNFINISHED_TARGET = "sglang.srt.mem_cache.common.maybe_cache_unfinished_req"
+_NEXT_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 _ALLOC_DECODE_TARGET = "sglang.srt.mem_cache.allocation.alloc_for_decode"
 _PREPARE_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 _DECODE_GROWTH_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.new_tokens_required_next_decode"
@@ -65,15 +67,30 @@ def report_kv_usage(result, processor, i, req, logits_output):
 
 
 def keep_chunk_progress(original, req, tree_cache, *args, **kwargs):
-    """AROUND hook on maybe_cache_unfinished_req. With skip_radix_cache_insert
-    SGLang skips it entirely, so a chunked prefill would never advance
-    req.prefix_indices; for compressed requests advance them over the
-    request's own slots, as SGLang's ChunkCache does, without inserting."""
+    """AROUND hook on maybe_cache_unfinished_req, which SGLang calls after a
+    middle prefill chunk (chunked=True) and after the last one. With
+    skip_radix_cache_insert SGLang skips it entirely; for compressed requests
+    a middle chunk advances req.prefix_indices over the request's own slots,
+    as SGLang's ChunkCache does, without inserting, and the last chunk frees
+    the private prompt's pool slots (the region holds those tokens)."""
     if getattr(req, "skip_radix_cache_insert", False) and req.rid in RUNTIME.requests:
-        slots = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
-        req.prefix_indices = slots.to(dtype=torch.int64, copy=True)
+        if kwargs.get("chunked"):
+            slots = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
+            req.prefix_indices = slots.to(dtype=torch.int64, copy=True)
+        else:
+            free_private_prompt_slots(req, tree_cache)
         return None
     return original(req, tree_cache, *args, **kwargs)
+
+
+def retry_prefill_after_freed_slots(scheduler, running_batch=None, *args, **kwargs):
+    """BEFORE hook on Scheduler.get_next_batch_to_run. SGLang stops trying
+    new prefills once a request did not fit (batch_is_full) until a running
+    request finishes; pool slots freed at a compressed prefill's end are room
+    too, so let the waiting queue try again."""
+    if RUNTIME.pool_slots_freed and running_batch is not None:
+        running_batch.batch_is_full = False
+        RUNTIME.pool_slots_freed = False
 
 
 def release_region(original, req, tree_cache, *args, **kwargs):
@@ -120,6 +137,7 @@ def register() -> None:
                           HookType.AROUND)
     HookRegistry.register(_RELEASE_TARGET, release_region, HookType.AROUND)
     HookRegistry.register(_UNFINISHED_TARGET, keep_chunk_progress, HookType.AROUND)
+    HookRegistry.register(_NEXT_BATCH_TARGET, retry_prefill_after_freed_slots, HookType.BEFORE)
     HookRegistry.register(_ALLOC_DECODE_TARGET, alloc_for_decode_skipping_compressed, HookType.AROUND)
     HookRegistry.register(_PREPARE_DECODE_TARGET, keep_committed_len_at_owned_slots, HookType.AFTER)
     HookRegistry.register(_DECODE_GROWTH_TARGET, decode_growth_without_compressed, HookType.AROUND)

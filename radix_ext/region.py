@@ -81,6 +81,10 @@ class CompressedRegion:
     def pages_used(self) -> int:
         return self.config.num_pages - len(self._free_pages)
 
+    def pages_held(self, rid: str) -> torch.Tensor:
+        """Pages held per (layer, head) of a request, [L, H]."""
+        return (self._requests[rid].table != self.null_page).sum(dim=-1)
+
     def held_tokens(self, rid: str) -> torch.Tensor:
         """Retained tokens per (layer, head) of a request, [L, H]."""
         table = self._requests[rid].table

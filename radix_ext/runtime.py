@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from kvsieve.policies import KVPolicyError, KVPolicySpec, Policy, get_policy, parse_kv_policy
+from kvsieve.policies import KVPolicyError, KVPolicySpec, LayerObservations, Policy, get_policy, parse_kv_policy
 
 from . import metrics
 from .region import CompressedRegion, RegionConfig
@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUDGET = 1024
 #: Floor of a budget given as budget_ratio.
 MIN_RATIO_BUDGET = 16
+
+
+def _pad_slots(values: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[H, S] padded with zeros to [H, num_slots]."""
+    return torch.nn.functional.pad(values, (0, num_slots - values.shape[1]))
 
 
 @dataclass
@@ -46,10 +51,34 @@ class CompressedRequest:
     #: Region pages reserved at admission for the request's compressed
     #: ceiling; 0 while it waits.
     reserved_pages: int = 0
+    #: Tokens it may still generate, as of its admission.
+    max_new_tokens: int = 0
     #: Set when the region ran out for this request: it is being aborted and
     #: the backend leaves its rows to SGLang's path until it ends. Admission
     #: reserves the ceiling, so this is a guard against accounting bugs only.
     overflowed: bool = False
+
+    #: Per layer, observations of the prompt's last queries gathered over
+    #: its prefill chunks, until on_prefill_end.
+    prefill_obs: dict = field(default_factory=dict)
+
+    def add_prefill_observations(self, layer: int, obs: LayerObservations) -> None:
+        """Sum a chunk's observations into the layer's; slots only append
+        during prefill, so a later chunk's [H, S] extends an earlier one's."""
+        kept = self.prefill_obs.setdefault(layer, LayerObservations())
+        for name in ("attention", "pv_norm"):
+            new = getattr(obs, name)
+            if new is not None:
+                old = getattr(kept, name)
+                setattr(kept, name, new if old is None else new + _pad_slots(old, new.shape[1]))
+
+    def take_prefill_observations(self, layer: int, num_slots: int) -> LayerObservations:
+        obs = self.prefill_obs.pop(layer, LayerObservations())
+        for name in ("attention", "pv_norm"):
+            value = getattr(obs, name)
+            if value is not None:
+                setattr(obs, name, _pad_slots(value, num_slots))
+        return obs
 
     def budget_tokens(self, private_tokens: int) -> int:
         """Budget per (layer, head) once `private_tokens` are seen."""
@@ -78,6 +107,9 @@ class KVRuntime:
         self.requests: dict[str, CompressedRequest] = {}
         self.finished: dict[str, dict] = {}  # rid -> final usage, until reported
         self.reserved_pages = 0  # sum of the running requests' ceilings
+        #: Set when a prefill's end returned pool slots (decode_slots.py), so
+        #: the scheduler retries its waiting queue before a request finishes.
+        self.pool_slots_freed = False
 
     # ----- set-up, by the attention backend once the model is known ---------
     def ensure_region(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device,
@@ -146,7 +178,25 @@ class KVRuntime:
         if req.reserved_pages:
             return
         req.reserved_pages = req.ceiling_pages(private_prompt, max_new_tokens, self.region.config)
+        req.max_new_tokens = max_new_tokens
         self.reserved_pages += req.reserved_pages
+        metrics.record_region_reserved(self.reserved_pages)
+
+    def shrink_reservation(self, req: CompressedRequest) -> None:
+        """After prefill the policy has cut the prompt: from here a head holds
+        at most the pages it holds now or its decode-phase peak in pages,
+        whichever is more (a head takes a page only when all of its pages are
+        full; pages are never compacted). Give the rest back to admission."""
+        if not req.reserved_pages:
+            return
+        cfg = self.region.config
+        held = int(self.region.held_tokens(req.rid).max())  # private tokens kept, per (layer, head)
+        new = req.max_new_tokens
+        peak = req.policy.max_private_tokens(held, new, req.budget_tokens(req.private_seen + new))
+        per_head = self.region.pages_held(req.rid).clamp(min=-(-max(peak, 1) // cfg.page_size))
+        need = min(int(per_head.sum()), req.reserved_pages)
+        self.reserved_pages -= req.reserved_pages - need
+        req.reserved_pages = need
         metrics.record_region_reserved(self.reserved_pages)
 
     def forget_unadmitted(self, rids) -> None:

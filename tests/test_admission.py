@@ -43,3 +43,31 @@ def test_compressed_requests_fit_where_full_ones_do_not(tiny_llama, tmp_path):
         assert region_idle(server)
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_prompt_memory_returns_after_prefill(tiny_llama, tmp_path):
+    """Three prompts of 150 private tokens, streaming with budget 16, in a
+    256-token pool and its default 64-page region (2 layers x 2 kv heads).
+
+    Pool: two prompts never fit at once, so all three run together only if
+    each prompt's pool slots come back when its prefill ends.
+    Region: each request's ceiling is 10 pages per (layer, head) while its
+    prompt is held (40 in all); after the policy cuts it, it holds 3 per head
+    (sinks in page 0, the recent tokens in pages 8-9), so the reservation
+    shrinks to 12 and 12 + 12 + 40 fit in 64."""
+    server = start_server(tmp_path, "--model", str(tiny_llama), "--max-total-tokens", "256")
+    try:
+        assert "64 pages x 16 slots" in server.log()
+        prompts = [[i + 1] + [(7 * j + 13 * i) % 300 + 50 for j in range(149)] for i in range(3)]
+        results, peak = asyncio.run(run_batch(server, {"name": "streaming", "budget": 16}, prompts))
+        assert all(r["usage"]["completion_tokens"] == NEW for r in results)
+        assert all(r["kv_usage"]["retained_tokens"] == 16 for r in results)
+        assert peak == 3
+        assert region_idle(server)
+        assert metric(server, "kvsieve_region_reserved_pages") == 0
+        # The pool is whole again: a full request of 240 tokens fits.
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": prompts[0] + prompts[1][:50], "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+    finally:
+        assert server.stop() == 0, server.log()

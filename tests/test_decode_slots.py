@@ -7,6 +7,7 @@ from types import SimpleNamespace
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from kvsieve.radix_ext.decode_slots import decode_growth_without_compressed  # noqa: E402
+from kvsieve.radix_ext.region import CompressedRegion, RegionConfig  # noqa: E402
 from kvsieve.radix_ext.runtime import RUNTIME  # noqa: E402
 
 
@@ -27,6 +28,8 @@ def test_only_uncompressed_rows_need_a_pool_slot():
         original_calls.append(selected)
         return len(batch.reqs)
 
+    # Compressing requests are admitted only where the backend made a region.
+    RUNTIME.region = CompressedRegion(RegionConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=4))
     RUNTIME.admit("c1", {"kv_policy": {"name": "h2o", "budget": 8}}, prompt_len=4)
     RUNTIME.admit("c2", {"kv_policy": {"name": "streaming", "budget": 8}}, prompt_len=4)
     try:
@@ -37,6 +40,7 @@ def test_only_uncompressed_rows_need_a_pool_slot():
         assert original_calls == []
     finally:
         RUNTIME.requests.clear()
+        RUNTIME.region = None
     # Without compressed requests SGLang's own count is used.
     assert decode_growth_without_compressed(original, fake_batch(["f1"])) == 1
     assert original_calls == [None]

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kvsieve.kernels.attention_ref import attend_decode
+from kvsieve.kernels.attention_ref import attend, attend_decode
 from kvsieve.policies import Need
 from kvsieve.radix_ext.region import CompressedRegion, RegionConfig, RegionFull
 
@@ -131,3 +131,40 @@ def test_split_attention_equals_one_softmax_and_observations(prefix_len):
         assert torch.allclose(obs.pv_norm[h][valid[h]], pv_ref, atol=1e-6)
         sparse_ref = (p < 0.01 * p.amax(-1, keepdim=True)).float().mean(-1)
         assert torch.allclose(obs.sparsity[2 * h: 2 * h + 2], sparse_ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 7])
+def test_extend_attention_is_causal_over_the_region_and_observes_chosen_queries(prefix_len):
+    """A prompt chunk's queries over prefix + region: query t sees the prefix
+    and the region slots at positions <= its own, as one dense causal softmax."""
+    gen = torch.Generator().manual_seed(prefix_len + 1)
+    Hq, Hkv, T = 4, 2, 6
+    # Region slots in scrambled order (in-place reuse), positions prefix_len .. prefix_len+T-1.
+    S = T + 2
+    rk, rv = torch.randn(Hkv, S, D, generator=gen), torch.randn(Hkv, S, D, generator=gen)
+    position = torch.full((Hkv, S), -1)
+    for h in range(Hkv):
+        slots = torch.randperm(S, generator=gen)[:T]
+        position[h, slots] = torch.arange(prefix_len, prefix_len + T)
+    valid = position >= 0
+    q = torch.randn(T, Hq, D, generator=gen)
+    pk, pv = torch.randn(prefix_len, Hkv, D, generator=gen), torch.randn(prefix_len, Hkv, D, generator=gen)
+    query_pos = torch.arange(prefix_len, prefix_len + T)
+    mask = valid.unsqueeze(0) & (position.unsqueeze(0) <= query_pos.view(T, 1, 1))
+    observe = torch.zeros(T, dtype=torch.bool)
+    observe[-2:] = True
+    out, obs = attend(q, pk, pv, rk, rv, mask, D ** -0.5, Need.ATTENTION | Need.SPARSITY, observe=observe)
+    attention = torch.zeros(Hkv, S)
+    sparsity = torch.zeros(Hq)
+    for t in range(T):
+        for h in range(Hkv):
+            seen = mask[t, h]
+            keys = torch.cat([pk[:, h], rk[h][seen]])
+            vals = torch.cat([pv[:, h], rv[h][seen]])
+            ref, p = dense_attention(q[t, 2 * h: 2 * h + 2], keys.unsqueeze(0), vals.unsqueeze(0), D ** -0.5)
+            assert torch.allclose(out[t, 2 * h: 2 * h + 2], ref, atol=1e-5)
+            if observe[t]:
+                attention[h][seen] += p[:, prefix_len:].sum(0)
+                sparsity[2 * h: 2 * h + 2] += (p < 0.01 * p.amax(-1, keepdim=True)).float().mean(-1) / 2
+    assert torch.allclose(obs.attention, attention, atol=1e-6)
+    assert torch.allclose(obs.sparsity, sparsity, atol=1e-6)
