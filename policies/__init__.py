@@ -3,12 +3,13 @@
 from . import full, h2o, longflow, snapkv, streaming  # noqa: F401  (register the policies)
 from .base import Policy, PolicyParams
 from .observations import LayerObservations, LayerView, Need
-from .registry import get_policy, policy_names, register_policy
+from .registry import POLICY_MODULES_ENV, get_policy, load_policy_modules, policy_names, register_policy
 from .spec import FULL, KVPolicyError, KVPolicySpec, parse_kv_policy
 
 __all__ = [
     "FULL",
     "KVPolicyError",
+    "POLICY_MODULES_ENV",
     "KVPolicySpec",
     "LayerObservations",
     "LayerView",
@@ -16,6 +17,7 @@ __all__ = [
     "Policy",
     "PolicyParams",
     "get_policy",
+    "load_policy_modules",
     "parse_kv_policy",
     "policy_names",
     "register_policy",

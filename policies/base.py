@@ -63,6 +63,16 @@ class Policy:
         """One decode step of `layer` is done; `budget` is [H] tokens per head."""
         return None
 
+    def on_tokens(
+        self, positions: torch.Tensor, token_ids: torch.Tensor, hidden_states: Optional[torch.Tensor]
+    ) -> None:
+        """Called once per forward pass, after the last layer, for policies
+        that need TOKEN_IDS or HIDDEN_STATES: the private tokens the request
+        just processed (a prompt chunk, or the one decode token) with their
+        positions [T], ids [T] and, with HIDDEN_STATES, the last layer's
+        hidden states after the final norm [T, hidden]. Decisions come in the
+        other hooks, from the state a policy keeps here."""
+
     def on_request_end(self) -> None:
         """The request ended (finished, aborted or failed)."""
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+
 from .base import Policy
+
+#: Comma-separated modules whose import registers more policies; set by
+#: `kvsieve serve --policy-module` and read in every process (the API server
+#: validates kv_policy, SGLang's scheduler runs the policy).
+POLICY_MODULES_ENV = "KVSIEVE_POLICY_MODULES"
 
 _POLICIES: dict[str, type[Policy]] = {}
 
@@ -27,3 +35,13 @@ def get_policy(name: str) -> type[Policy]:
 
 def policy_names() -> list[str]:
     return sorted(_POLICIES)
+
+
+def load_policy_modules(modules: str | None = None) -> list[str]:
+    """Import the modules named in `modules` (default: $KVSIEVE_POLICY_MODULES);
+    their @register_policy classes join the registry. The modules imported."""
+    names = [m.strip() for m in (modules if modules is not None else os.environ.get(POLICY_MODULES_ENV, "")).split(",")]
+    names = [m for m in names if m]
+    for name in names:
+        importlib.import_module(name)
+    return names

@@ -39,6 +39,36 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         self.region = RUNTIME.ensure_region(pool.layer_num, pool.head_num, pool.head_dim, pool.dtype,
                                             self.device, pool_tokens=pool.size)
 
+        # Token ids and the last layer's hidden states reach policies from
+        # the input of the model's logits processor, which every SGLang
+        # causal LM calls with (input_ids, hidden_states, lm_head, forward_batch).
+        logits_processor = getattr(model_runner.model, "logits_processor", None)
+        if logits_processor is not None:
+            logits_processor.register_forward_pre_hook(self._observe_tokens, with_kwargs=True)
+
+    def _observe_tokens(self, module, args, kwargs):
+        if not RUNTIME.requests:
+            return None
+        names = ("input_ids", "hidden_states", "lm_head", "logits_metadata")
+        given = dict(zip(names, args)) | kwargs
+        forward_batch = given.get("logits_metadata")
+        hidden = given.get("hidden_states")
+        if forward_batch is None or hidden is None or not hasattr(forward_batch, "rids"):
+            return None
+        token_needs = Need.TOKEN_IDS | Need.HIDDEN_STATES
+        lengths = (forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend()
+                   else [1] * len(forward_batch.rids))
+        start = 0
+        for rid, n in zip(forward_batch.rids, lengths):
+            req = RUNTIME.requests.get(rid)
+            if req is not None and req.policy.needs & token_needs and not req.overflowed:
+                rows = slice(start, start + n)
+                wants_hidden = bool(req.policy.needs & Need.HIDDEN_STATES)
+                req.policy.on_tokens(forward_batch.positions[rows], given["input_ids"][rows],
+                                     hidden[rows] if wants_hidden else None)
+            start += n
+        return None
+
     # ----- helpers ---------------------------------------------------------
     def _prefix_kv(self, layer_id: int, req_pool_idx: int, prefix_len: int):
         slots = self.req_to_token_pool.req_to_token[req_pool_idx, :prefix_len].long()

@@ -124,6 +124,9 @@ def register() -> None:
 
         return KvsieveAttnBackend(model_runner)
 
+    from kvsieve.policies import load_policy_modules
+
+    load_policy_modules()  # policies of `kvsieve serve --policy-module`, in this process too
     register_attention_backend("kvsieve")(create_backend)
     add_attention_backend_choices(["kvsieve"])
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)

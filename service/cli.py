@@ -23,6 +23,8 @@ def _serve_parser(sub) -> None:
                    help="requests waiting past this many get 503 + Retry-After (default: no limit)")
     p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk, in tokens")
     p.add_argument("--presets", help="JSON file of named kv_policy presets")
+    p.add_argument("--policy-module", action="append", default=[], metavar="MODULE",
+                   help="import MODULE to register more policies (@register_policy); repeatable")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 

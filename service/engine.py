@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
+from kvsieve.policies import policy_names
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,16 +70,15 @@ class EngineClient:
     """Thin async facade over sglang.Engine for the HTTP layer."""
 
     #: Policies this engine runs: on CPU the kvsieve attention backend serves
-    #: the wired policies; on GPU its Triton path is not built yet, so only
-    #: SGLang's own path is served there and other names are refused by name
-    #: instead of silently running as `full`.
-    WIRED_POLICIES = frozenset({"full", "streaming", "h2o", "snapkv", "longflow"})
+    #: every registered policy; on GPU its Triton path is not built yet, so
+    #: only SGLang's own path is served there and other names are refused by
+    #: name instead of silently running as `full`.
 
     def __init__(self, settings: EngineSettings):
         import sglang
 
         self.settings = settings
-        self.served_policies = self.WIRED_POLICIES if settings.device == "cpu" else frozenset({"full"})
+        self.served_policies = frozenset(policy_names()) if settings.device == "cpu" else frozenset({"full"})
         self._engine = sglang.Engine(**settings.engine_kwargs())
         info = self._engine.tokenizer_manager
         self.context_length: int = info.context_len

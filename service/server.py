@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -41,6 +42,12 @@ def serve(args) -> None:
     from .engine import prepare_process_environment
 
     prepare_process_environment(args.device)
+    if args.policy_module:
+        # In the environment, so SGLang's scheduler process imports them too.
+        from kvsieve.policies import POLICY_MODULES_ENV, load_policy_modules
+
+        os.environ[POLICY_MODULES_ENV] = ",".join(args.policy_module)
+        load_policy_modules()
 
     # Imported only now: SGLang and prometheus_client read the environment above.
     import uvicorn
