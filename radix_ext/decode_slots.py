@@ -102,3 +102,17 @@ def decode_growth_without_compressed(original, batch, selected_indices=None):
         return original(batch, selected_indices)
     rows = range(len(batch.reqs)) if selected_indices is None else selected_indices
     return sum(1 for i in rows if batch.reqs[i].rid not in RUNTIME.requests)
+
+
+def retract_uncompressed_first(original, reqs, server_args):
+    """AROUND hook on ScheduleBatch._get_decode_retraction_order (most
+    preferred to keep first; SGLang retracts from the end). Retracting a
+    compressed request frees no pool slot, since it holds none past the
+    shared prefix, and would throw its region away; so uncompressed requests,
+    in SGLang's order, go first. Region shortage never calls for retraction:
+    admission reserved every running request's ceiling."""
+    order = original(reqs, server_args)
+    if not RUNTIME.requests:
+        return order
+    compressed = [i for i in order if reqs[i].rid in RUNTIME.requests]
+    return compressed + [i for i in order if reqs[i].rid not in RUNTIME.requests]

@@ -17,6 +17,7 @@ from .decode_slots import (
     decode_growth_without_compressed,
     free_private_prompt_slots,
     keep_committed_len_at_owned_slots,
+    retract_uncompressed_first,
 )
 from .runtime import RUNTIME
 from .usage import KV_USAGE_KEY, full_kv_usage, policy_name_of
@@ -39,6 +40,7 @@ _NEXT_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_
 _ALLOC_DECODE_TARGET = "sglang.srt.mem_cache.allocation.alloc_for_decode"
 _PREPARE_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 _DECODE_GROWTH_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.new_tokens_required_next_decode"
+_RETRACTION_ORDER_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 _SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
 
 
@@ -144,5 +146,6 @@ def register() -> None:
     HookRegistry.register(_ALLOC_DECODE_TARGET, alloc_for_decode_skipping_compressed, HookType.AROUND)
     HookRegistry.register(_PREPARE_DECODE_TARGET, keep_committed_len_at_owned_slots, HookType.AFTER)
     HookRegistry.register(_DECODE_GROWTH_TARGET, decode_growth_without_compressed, HookType.AROUND)
+    HookRegistry.register(_RETRACTION_ORDER_TARGET, retract_uncompressed_first, HookType.AROUND)
     HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
     logger.info("kvsieve plugin registered: attention backend 'kvsieve', kv_usage reporting")

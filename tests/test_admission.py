@@ -71,3 +71,34 @@ def test_prompt_memory_returns_after_prefill(tiny_llama, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_retracted_requests_come_back_and_compressed_ones_go_last(tiny_llama, tmp_path):
+    # SGLang's test switch retracts at least one running request every 3rd
+    # forward pass (keeping one). Full requests are retracted before
+    # compressed ones; when only compressed ones run, they are retracted too,
+    # re-admitted with their outputs as prompt, and finish with every page back.
+    server = start_server(tmp_path, "--model", str(tiny_llama), env={"SGLANG_TEST_RETRACT": "1"})
+    compressed = [{"name": "h2o", "budget": 16}, {"name": "streaming", "budget": 16}, {"name": "longflow", "budget": 16}]
+
+    async def run(policies, first_token):
+        async with httpx.AsyncClient(timeout=600) as client:
+            bodies = [{"prompt": [first_token + i, 20, 30, 40, 50], "max_tokens": 80, "ignore_eos": True,
+                       "temperature": 0, "kv_policy": policy} for i, policy in enumerate(policies)]
+            results = await asyncio.gather(*(client.post(f"{server.url}/v1/completions", json=b) for b in bodies))
+        for r, policy in zip(results, policies):
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 80
+            if policy != "full":
+                assert r.json()["kv_usage"]["retained_tokens"] == 16
+
+    try:
+        asyncio.run(run(["full", *compressed], 1))
+        mixed = metric(server, "sglang:num_retracted_requests_total")
+        assert mixed > 0
+        asyncio.run(run(compressed, 10))  # retractions now can only hit compressed requests
+        assert metric(server, "sglang:num_retracted_requests_total") > mixed
+        assert region_idle(server)
+        assert metric(server, "kvsieve_region_reserved_pages") == 0
+    finally:
+        assert server.stop() == 0, server.log()
