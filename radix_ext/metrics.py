@@ -52,6 +52,22 @@ REGION_RESERVED_PAGES = Gauge(
 )
 
 
+TOKEN_POOL_TOKENS = Gauge(
+    "kvsieve_token_pool_tokens",
+    "SGLang's token pool by state (free; cached: radix-tree tokens no request holds; in_use), "
+    "read from its allocator after each request's KV is released.",
+    ["state"],
+    multiprocess_mode="livesum",
+    registry=None,
+)
+
+
+def record_token_pool(free: int, cached: int, total: int) -> None:
+    TOKEN_POOL_TOKENS.labels("free").set(free)
+    TOKEN_POOL_TOKENS.labels("cached").set(cached)
+    TOKEN_POOL_TOKENS.labels("in_use").set(total - free - cached)
+
+
 def record_region_reserved(pages: int) -> None:
     REGION_RESERVED_PAGES.set(pages)
 

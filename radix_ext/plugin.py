@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from . import admission
+from . import admission, metrics
 from .decode_slots import (
     alloc_for_decode_skipping_compressed,
     decode_growth_without_compressed,
@@ -97,11 +97,14 @@ def retry_prefill_after_freed_slots(scheduler, running_batch=None, *args, **kwar
 
 def release_region(original, req, tree_cache, *args, **kwargs):
     """AROUND hook on release_kv_cache, the one exit of a request's KV (finish,
-    abort, retraction): the region's pages go back with SGLang's."""
+    abort, retraction): the region's pages go back with SGLang's, and the
+    pool's allocator counters are published (kvsieve_token_pool_tokens)."""
     try:
         return original(req, tree_cache, *args, **kwargs)
     finally:
         RUNTIME.end(req.rid)
+        allocator = tree_cache.token_to_kv_pool_allocator
+        metrics.record_token_pool(allocator.available_size(), tree_cache.evictable_size(), allocator.size)
 
 
 def backend_supports_triton(original, backend: str) -> bool:

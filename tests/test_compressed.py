@@ -89,8 +89,8 @@ def test_full_in_a_mixed_batch_equals_its_solo_run(llama_server):
 def test_every_region_page_returns_after_200_mixed_requests(llama_server):
     # Full and compressed requests of every wired policy, streamed and not,
     # client disconnects mid-stream, and invalid requests rejected mid-batch.
-    # (SGLang's own idle check guards its token pool: a leak there stops the
-    # scheduler, and the requests after it would fail.)
+    # (SGLang's own idle check guards its token pool too: a leak there stops
+    # the scheduler, and the requests after it would fail.)
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
             async def one(i):
@@ -122,7 +122,12 @@ def test_every_region_page_returns_after_200_mixed_requests(llama_server):
     assert results.count(200) == 200 - len(rejected) - len(gone)
     assert region_idle(llama_server)
     assert metric(llama_server, "kvsieve_region_pages", state="free") > 0
+    assert metric(llama_server, "kvsieve_region_reserved_pages") == 0
     assert metric(llama_server, "kvsieve_retained_kv_tokens") == 0
+    # SGLang's allocator after the last release: every slot is free or held
+    # only by the radix tree (evictable); no request holds one.
+    assert metric(llama_server, "kvsieve_token_pool_tokens", state="in_use") == 0
+    assert metric(llama_server, "kvsieve_token_pool_tokens", state="free") > 0
 
 
 def test_compressed_tokens_never_enter_the_radix_tree(llama_server):
