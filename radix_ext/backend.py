@@ -167,7 +167,7 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
                 req.add_prefill_observations(layer.layer_id, obs)
         if ends_prompt:
             obs = req.take_prefill_observations(layer.layer_id, view.valid.shape[1])
-            budget = req.budget(layer.tp_k_head_num)
+            budget = req.budget(layer.tp_k_head_num, device=view.valid.device)
             self._apply(req, layer.layer_id, view, req.policy.on_prefill_end(layer.layer_id, view, obs, budget))
         if last_layer:
             if ends_prompt:
@@ -227,7 +227,7 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
         out, obs = attend_decode(q3[i], pk, pv, rk, rv, view.valid, layer.scaling, req.policy.needs)
         o3[i] = out.to(o3.dtype)
-        budget = req.budget(layer.tp_k_head_num)
+        budget = req.budget(layer.tp_k_head_num, device=view.valid.device)
         evict = req.policy.on_decode_step(pos - req.prompt_len, layer.layer_id, view, obs, budget)
         self._apply(req, layer.layer_id, view, evict)
         if layer.layer_id == self.num_layers - 1:

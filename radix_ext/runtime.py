@@ -88,8 +88,9 @@ class CompressedRequest:
             return max(MIN_RATIO_BUDGET, math.ceil(self.spec.budget_ratio * max(private_tokens, 1)))
         return DEFAULT_BUDGET
 
-    def budget(self, num_kv_heads: int) -> torch.Tensor:
-        return torch.full((num_kv_heads,), self.budget_tokens(self.private_seen), dtype=torch.int64)
+    def budget(self, num_kv_heads: int, device="cpu") -> torch.Tensor:
+        """[H] tokens per kv head, on the region's device (policies compare it with slot tensors)."""
+        return torch.full((num_kv_heads,), self.budget_tokens(self.private_seen), dtype=torch.int64, device=device)
 
     def ceiling_pages(self, private_prompt: int, max_new_tokens: int, config: RegionConfig) -> int:
         """Region pages the request can hold at most: its policy's peak per
