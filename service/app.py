@@ -7,6 +7,7 @@ error shape naming the field; nothing a client sends takes the server down.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from kvsieve.policies import KVPolicyError, parse_kv_policy, policy_names
 
 from .errors import APIError, bad_request, from_validation_error
 from .generation import Job, build_sampling_params, resolve_max_tokens, run_job
-from .metrics import count_rejected, render_metrics
+from .metrics import GUARD_REJECTIONS, count_rejected, observe_kv_usage, render_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,40 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.context_length = engine.context_length
         self.model_name = model_name
-        self.presets = dict(presets or {})
+        self.file_presets = dict(presets or {})
+        self.guards = None  # service.guards.Guards: live store presets, caps, timeout
+
+    @property
+    def presets(self) -> dict:
+        # The store's presets (live, service/store_cache.py) win over the file's.
+        live = self.guards.presets if self.guards is not None else {}
+        return {**self.file_presets, **live} if live else self.file_presets
+
+    async def metrics(self) -> tuple[bytes, str]:
+        """/metrics; the Ray Serve ingress adds every engine replica's."""
+        return render_metrics()
+
+    def deltas(self, job: Job) -> AsyncIterator:
+        """The job's output; the Ray Serve ingress (service/scale) runs it on an engine replica."""
+        return observed_deltas(self.engine, job)
+
+    async def _timed(self, job: Job, deltas: AsyncIterator) -> AsyncIterator:
+        """`deltas`, ending in a 504 past settings.limits.request_timeout_s (the
+        cancelled generator aborts the request in the engine)."""
+        timeout = self.guards.settings.limits.request_timeout_s if self.guards is not None else None
+        deadline = None if timeout is None else job_started(job) + timeout
+        async with aclosing(deltas):  # closing this closes (and aborts) the job at once
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                try:
+                    delta = await asyncio.wait_for(anext(deltas), remaining)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    GUARD_REJECTIONS.labels("timeout").inc()
+                    raise APIError(504, f"the request took longer than {timeout:g} s and was aborted",
+                                   type_="timeout", code="request_timeout") from None
+                yield delta
 
     def policy_label(self, body: dict) -> str:
         """Metrics label of a rejected request: a known policy name, else "invalid"
@@ -91,6 +125,12 @@ class OpenAIServer:
         if any(not 0 <= t < vocab for t in input_ids):
             raise bad_request(f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
         max_new = resolve_max_tokens(req.requested_max_tokens(), len(input_ids), self.context_length, prompt_param)
+        if self.guards is not None:
+            caps = self.guards.caps
+            caps.check_prompt(len(input_ids), prompt_param)
+            caps.check_policy(policy)
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            max_new = caps.max_new_tokens(req.requested_max_tokens(), max_new, param)
         return Job(
             kind=kind,
             input_ids=input_ids,
@@ -129,7 +169,7 @@ class OpenAIServer:
         text, token_ids, last = [], [], None
         # aclosing: leaving early (client gone, error) closes run_job at once,
         # which aborts the request in the engine.
-        async with aclosing(run_job(self.engine, job)) as deltas:
+        async with aclosing(self._timed(job, self.deltas(job))) as deltas:
             async for delta in deltas:
                 text.append(delta.text)
                 token_ids.extend(delta.token_ids)
@@ -167,7 +207,7 @@ class OpenAIServer:
         if job.kind == "chat":
             yield _sse({**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         try:
-            async with aclosing(run_job(self.engine, job)) as deltas:
+            async with aclosing(self._timed(job, self.deltas(job))) as deltas:
                 async for delta in deltas:
                     yield _sse(self._stream_chunk(envelope, job, delta))
         except APIError as exc:
@@ -178,10 +218,33 @@ class OpenAIServer:
         yield b"data: [DONE]\n\n"
 
 
-def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]] = None) -> FastAPI:
-    server = OpenAIServer(engine, model_name, presets)
+def job_started(job: Job) -> float:
+    return getattr(job, "started_at", None) or time.monotonic()
+
+
+async def observed_deltas(engine, job: Job) -> AsyncIterator:
+    """run_job's deltas, recording the finished request's compression ratio."""
+    async with aclosing(run_job(engine, job)) as deltas:
+        async for delta in deltas:
+            if delta.kv_usage is not None:
+                observe_kv_usage(delta.kv_usage)
+            yield delta
+
+
+def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]] = None, *,
+               guards=None, server: Optional[OpenAIServer] = None) -> FastAPI:
+    """`guards`: service.guards.Guards (default: from the settings, see
+    service/config.py); `server`: an OpenAIServer built by the caller (the Ray
+    Serve ingress passes its own)."""
+    from .guards import GuardMiddleware, Guards
+    from .openapi_schema import document_request_bodies
+
+    server = server or OpenAIServer(engine, model_name, presets)
+    server.guards = guards if guards is not None else Guards.from_settings()
     app = FastAPI(title="kvsieve")
     app.state.server = server
+    app.add_middleware(GuardMiddleware, guards=server.guards)
+    document_request_bodies(app, auth=server.guards.settings.auth.enabled)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -193,6 +256,7 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
         return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error").response()
 
     async def handle(request: Request, make_job: Callable[[dict], Job]) -> Response:
+        started = time.monotonic()
         body = await read_json_object(request)
         try:
             job = make_job(body)
@@ -202,6 +266,7 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
         except APIError:
             count_rejected(server.policy_label(body))
             raise
+        job.started_at = started  # the request timeout counts from arrival
         if job.stream:
             return StreamingResponse(server.stream(job), media_type="text/event-stream")
         return await server.complete(job, request)
@@ -227,7 +292,7 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
 
     @app.get("/metrics")
     async def metrics():
-        data, content_type = render_metrics()
+        data, content_type = await server.metrics()
         return Response(data, media_type=content_type)
 
     return app

@@ -49,6 +49,46 @@ KV_TOKENS_IN_USE = Gauge(
     multiprocess_mode="livesum",
     registry=None,
 )
+E2E_LATENCY = Histogram(
+    "kvsieve_e2e_latency_seconds",
+    "Time from request arrival to its last token, served requests.",
+    ["policy"],
+    buckets=_LATENCY_BUCKETS,
+    registry=None,
+)
+COMPRESSION_RATIO = Histogram(
+    "kvsieve_compression_ratio",
+    "Retained over private KV tokens at a request's end (1.0: nothing evicted).",
+    ["policy"],
+    buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+    registry=None,
+)
+GUARD_REJECTIONS = Counter(
+    "kvsieve_guard_rejections_total",
+    "Requests refused before the engine: unauthorized, rate_limited, body_too_large, timeout.",
+    ["reason"],
+    registry=None,
+)
+STORE_UP = Gauge(
+    "kvsieve_store_up",
+    "1 while the preset/key store answers, 0 while serving from the last snapshot.",
+    ["backend"],
+    multiprocess_mode="livemostrecent",
+    registry=None,
+)
+STORE_ERRORS = Counter(
+    "kvsieve_store_errors_total", "Failed polls of the preset/key store.", ["backend"], registry=None
+)
+
+
+def observe_kv_usage(kv_usage: dict | None) -> None:
+    """A finished request's compression ratio, from its kv_usage record."""
+    if not kv_usage:
+        return
+    private = kv_usage.get("private_tokens") or 0
+    if private > 0:
+        ratio = min(1.0, (kv_usage.get("retained_tokens") or 0) / private)
+        COMPRESSION_RATIO.labels(str(kv_usage.get("policy", "full"))).observe(ratio)
 
 
 def render_metrics() -> tuple[bytes, str]:
@@ -81,6 +121,7 @@ class RequestMetrics:
         self.kv_tokens_held = 0
         REQUESTS.labels(self.policy, status).inc()
         if status == "ok":
+            E2E_LATENCY.labels(self.policy).observe(now - self.started_at)
             PROMPT_TOKENS.labels(self.policy).inc(prompt_tokens)
             GENERATION_TOKENS.labels(self.policy).inc(self.completion_tokens)
             if self.first_token_at is not None and self.completion_tokens > 1:

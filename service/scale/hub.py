@@ -1,0 +1,68 @@
+"""The metrics hub: engine replicas push their Prometheus exposition here
+every few seconds; the ingress's /metrics merges them, each sample labelled
+with its `replica`. A Serve deployment of one replica, so it works the same
+in-process and on a cluster (no node-local files)."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+#: A replica that has not pushed for this long is gone (killed, scaled down).
+STALE_AFTER_S = 10.0
+
+
+class MetricsHub:
+    def __init__(self):
+        self._texts: dict[str, tuple[float, str]] = {}
+
+    def push(self, replica: str, text: str) -> None:
+        self._texts[replica] = (time.monotonic(), text)
+
+    def forget(self, replica: str) -> None:
+        self._texts.pop(replica, None)
+
+    def collect(self) -> dict[str, str]:
+        now = time.monotonic()
+        for replica, (stamp, _) in list(self._texts.items()):
+            if now - stamp > STALE_AFTER_S:
+                del self._texts[replica]
+        return {replica: text for replica, (_, text) in self._texts.items()}
+
+
+class _Families:
+    def __init__(self, families: Iterable[Metric]):
+        self._families = list(families)
+
+    def collect(self):
+        return self._families
+
+
+def merge_replica_metrics(local_text: bytes, replica_texts: dict[str, str]) -> bytes:
+    """The ingress's own metrics plus every replica's, with a `replica` label,
+    and kvsieve_engine_replicas (replicas that pushed recently)."""
+    merged: dict[str, Metric] = {}
+
+    def add(text: str, replica: str | None) -> None:
+        for family in text_string_to_metric_families(text):
+            target = merged.get(family.name)
+            if target is None:
+                target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                if replica is not None:
+                    labels["replica"] = replica
+                target.samples.append(sample._replace(labels=labels))
+
+    add(local_text.decode(), None)
+    for replica, text in sorted(replica_texts.items()):
+        add(text, replica)
+    count = GaugeMetricFamily("kvsieve_engine_replicas", "Engine replicas that reported metrics in the last 10 s.")
+    count.add_metric([], len(replica_texts))
+    registry = CollectorRegistry()
+    registry.register(_Families([*merged.values(), count]))
+    return generate_latest(registry)
