@@ -1,15 +1,15 @@
-"""Reference attention for a compressed request (PyTorch; a Triton kernel of
-the same signature replaces it on GPU).
+"""Reference attention for the compressed rows of a batch (PyTorch; the Triton
+kernels of [gpu-kernels] take the same inputs).
 
-Queries of one request (one per decode step, or the chunk of its private
-prompt being prefilled) attend to two parts: the radix-shared prefix in
+Queries of each row (one per decode step, or the chunk of its private prompt
+being prefilled) attend to two parts: the row's radix-shared prefix in
 SGLang's token pool (dense, visible to every query, since it precedes them)
-and the request's private slots in the compressed region (paged; a mask says
+and the row's private slots in the compressed region (paged; a mask says
 which slots each query sees: valid, and causal in an extend). Here both parts
 go through one masked softmax; a GPU kernel reduces each part on its own and
 merges them with their log-sum-exp (split-KV), which gives the same result.
-On CPU the single pass is about twice as fast for decode-sized inputs.
-Observations for the policy come from the same pass.
+Observations for the policies come from the same pass. Every row of the
+batch goes through the same tensor calls: no loop over rows, no host sync.
 """
 
 from __future__ import annotations
@@ -18,66 +18,66 @@ from typing import Optional
 
 import torch
 
-from kvsieve.policies.observations import LayerObservations, Need
+from kvsieve.policies.observations import Need, Observations
 
 SPARSITY_THRESHOLD = 0.01  # a probability below 1% of its row's maximum counts as sparse
+OBSERVED = Need.ATTENTION | Need.PV_NORM | Need.SPARSITY
 
 
-def attend(
+def attend_rows(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
     prefix_v: torch.Tensor,
+    prefix_mask: torch.Tensor,
     region_k: torch.Tensor,
     region_v: torch.Tensor,
     region_mask: torch.Tensor,
     scale: float,
     needs: Need = Need.NONE,
     observe: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, LayerObservations]:
-    """Attention output [T, Hq, Dv] and the region's observations.
+) -> tuple[torch.Tensor, Observations]:
+    """Attention output [R, T, Hq, Dv] and the region's observations.
 
-    q [T, Hq, D]; prefix_k/v [P, Hkv, D] (P may be 0); region_k/v [Hkv, S, D];
-    region_mask [T, Hkv, S], True where query t sees slot s (every query sees
-    at least itself). Query head h reads kv head h // (Hq // Hkv).
-    Observations sum over the queries marked in `observe` ([T] bool; all if
-    None): attention and ||p v||_1 per slot [Hkv, S] (summed over each kv
-    head's query group too), and sparsity per query head [Hq] (averaged over
-    the observed queries).
+    q [R, T, Hq, D]; prefix_k/v [R, P, Hkv, D] with prefix_mask [R, P] (True
+    where the row has a prefix token; P may be 0); region_k/v [R, Hkv, S, D];
+    region_mask [R, T, Hkv, S], True where query t of the row sees slot s.
+    Query head h reads kv head h // (Hq // Hkv). A query that sees nothing
+    (padding) gets a zero output. Observations sum over the queries marked
+    in `observe` ([R, T] bool; all if None): attention and ||p v||_1 per
+    slot [R, Hkv, S] (summed over each kv head's query group too), and
+    sparsity per query head [R, Hq] (averaged over the observed queries).
     """
-    T, Hq, D = q.shape
-    Hkv = region_k.shape[0]
+    R, T, Hq, D = q.shape
+    Hkv = region_k.shape[1]
     G = Hq // Hkv
-    P = prefix_k.shape[0]
-    keys = torch.cat([prefix_k.transpose(0, 1), region_k], dim=1).float()  # [Hkv, P+S, D]
-    values = torch.cat([prefix_v.transpose(0, 1), region_v], dim=1).float()
-    seen = torch.cat([region_mask.new_ones((T, Hkv, P)), region_mask], dim=-1).unsqueeze(2)  # [T, Hkv, 1, P+S]
-    logits = torch.einsum("thgd,hnd->thgn", q.float().view(T, Hkv, G, D), keys) * scale
-    p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)  # [T, Hkv, G, P+S]
-    out = torch.einsum("thgn,hnd->thgd", p, values)
+    P = prefix_k.shape[1]
+    keys = torch.cat([prefix_k.transpose(1, 2), region_k], dim=2).float()  # [R, Hkv, P+S, D]
+    values = torch.cat([prefix_v.transpose(1, 2), region_v], dim=2).float()
+    prefix_seen = prefix_mask.view(R, 1, 1, P).expand(R, T, Hkv, P)
+    seen = torch.cat([prefix_seen, region_mask], dim=-1).unsqueeze(3)  # [R, T, Hkv, 1, P+S]
+    logits = torch.einsum("rthgd,rhnd->rthgn", q.float().view(R, T, Hkv, G, D), keys) * scale
+    p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+    p = torch.where(seen, p, torch.zeros((), dtype=p.dtype, device=p.device))  # padding rows: 0, not NaN
+    out = torch.einsum("rthgn,rhnd->rthgd", p, values)
 
-    obs = LayerObservations()
-    if needs & (Need.ATTENTION | Need.PV_NORM | Need.SPARSITY):
-        rows = slice(None) if observe is None else observe
-        p_obs = p[rows]
-        pr = p_obs[..., P:]  # the region's share of the joint softmax
+    obs = Observations()
+    if needs & OBSERVED:
+        if observe is not None:
+            p = p * observe.view(R, T, 1, 1, 1)
+        pr = p[..., P:]  # the region's share of the joint softmax
         if needs & (Need.ATTENTION | Need.PV_NORM):
-            mass = pr.sum(dim=(0, 2))  # [Hkv, S]
+            mass = pr.sum(dim=(1, 3))  # [R, Hkv, S]
             if needs & Need.ATTENTION:
                 obs.attention = mass
             if needs & Need.PV_NORM:
                 # ||p v||_1 = p * ||v||_1 since p >= 0.
                 obs.pv_norm = mass * region_v.float().abs().sum(-1)
         if needs & Need.SPARSITY:
-            visible = seen[rows]
-            cutoff = SPARSITY_THRESHOLD * p_obs.amax(-1, keepdim=True)
-            sparse = ((p_obs < cutoff) & visible).sum(-1)  # [T', Hkv, G]
-            obs.sparsity = (sparse / visible.sum(-1)).mean(dim=0).reshape(Hq).float()
-    return out.reshape(T, Hq, -1).to(q.dtype), obs
-
-
-def attend_decode(q, prefix_k, prefix_v, region_k, region_v, region_valid, scale, needs=Need.NONE):
-    """One decode query q [Hq, D] over the prefix and the valid region slots:
-    attend() with T = 1. Output [Hq, Dv]."""
-    out, obs = attend(q.unsqueeze(0), prefix_k, prefix_v, region_k, region_v, region_valid.unsqueeze(0),
-                      scale, needs)
-    return out[0], obs
+            cutoff = SPARSITY_THRESHOLD * p.amax(-1, keepdim=True)
+            sparse = ((p < cutoff) & seen).sum(-1).float()  # [R, T, Hkv, G]
+            share = sparse / seen.sum(-1).clamp(min=1)
+            counted = observe.float() if observe is not None else q.new_ones((R, T), dtype=torch.float32)
+            counted = counted * seen.flatten(2).any(-1).float()  # padding queries do not count
+            obs.sparsity = ((share * counted.view(R, T, 1, 1)).sum(1) / counted.sum(1).clamp(min=1).view(R, 1, 1)
+                            ).reshape(R, Hq)
+    return out.reshape(R, T, Hq, -1).to(q.dtype), obs

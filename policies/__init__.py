@@ -1,8 +1,8 @@
 """Compression policies: pure PyTorch, engine-agnostic (import kvsieve.policies)."""
 
 from . import full, h2o, longflow, snapkv, streaming  # noqa: F401  (register the policies)
-from .base import Policy, PolicyParams
-from .observations import LayerObservations, LayerView, Need
+from .base import Policy, PolicyParams, RequestState
+from .observations import Need, Observations, PolicyBatch, SlotView
 from .registry import POLICY_MODULES_ENV, get_policy, load_policy_modules, policy_names, register_policy
 from .spec import FULL, KVPolicyError, KVPolicySpec, parse_kv_policy
 
@@ -11,11 +11,13 @@ __all__ = [
     "KVPolicyError",
     "POLICY_MODULES_ENV",
     "KVPolicySpec",
-    "LayerObservations",
-    "LayerView",
     "Need",
+    "Observations",
     "Policy",
+    "PolicyBatch",
     "PolicyParams",
+    "RequestState",
+    "SlotView",
     "get_policy",
     "load_policy_modules",
     "parse_kv_policy",

@@ -1,9 +1,19 @@
-"""What every compression policy is: a name, a parameter model, lifecycle hooks.
+"""What every compression policy is: a name, a parameter model, and batched
+decisions.
 
-One small class per policy (in the spirit of kvpress's presses), one instance
-per request. A policy sees only tensors (policies.observations) and returns
-decisions: which slots of a layer to evict. It never touches SGLang objects;
-radix_ext applies its decisions to the compressed region.
+One small class per policy (in the spirit of kvpress's presses). A policy is
+a set of functions over a batch: for one layer, `select_prefill` and
+`select_decode` get every row of the batch that runs this policy at once, as
+[rows, heads, slots] tensors with per-row parameters and budgets as tensors
+(policies.observations), and return an eviction mask of the same shape (True:
+clear that slot) or None. The engine calls each policy class present in a
+batch once per layer, with no Python loop over rows, heads or slots and no
+host-device sync, so the decision can run inside a CUDA graph.
+
+Per-request Python state is for rare events only (`on_tokens`, thought-type
+transitions, calibration lookups), kept in a RequestState the policy makes
+in `begin_request`, and applied between steps. radix_ext applies decisions to
+the compressed region; a policy never touches SGLang objects.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ from typing import ClassVar, Optional
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .observations import LayerObservations, LayerView, Need
+from .observations import Need, Observations, PolicyBatch, SlotView
 
 
 class PolicyParams(BaseModel):
@@ -22,62 +32,77 @@ class PolicyParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RequestState:
+    """Per-request host state of a policy (rare events only). The default
+    keeps the request's params; subclasses add what they need."""
+
+    def __init__(self, params: PolicyParams, num_layers: int, num_kv_heads: int):
+        self.params = params
+
+
 class Policy:
     """Base class of a compression policy.
 
     Subclasses set `name`, `Params` (a PolicyParams subclass with defaults and
-    bounds), `needs` (the observations their hooks read) and override the
-    hooks they use. `compresses` is False only for `full`, which keeps
-    SGLang's own KV path untouched.
+    bounds), `needs` (the observations their decisions read) and override the
+    decisions they make. `compresses` is False only for `full`, which keeps
+    SGLang's own KV path untouched. `compress_prompt` is the default of the
+    kv_policy field of that name: True for policies that select from the
+    prompt (its private part then lives in the region and is cut at prefill
+    end); False for decode-phase policies, whose prompt stays in SGLang's
+    radix cache, shared with later requests, and only generated tokens go to
+    the region.
 
-    Hooks return an eviction mask [H, S] (True: clear that slot) or None. The
-    region calls on_decode_step after the step's new token is stored and has
-    taken part in attention, so the new token is scored in its own step.
+    The region calls select_decode after the step's new token is stored and
+    has taken part in attention, so the new token is scored in its own step.
+    Numeric fields of Params reach the decisions as [R] tensors in
+    PolicyBatch.params (the engine builds them once per step).
     """
 
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     compresses: ClassVar[bool] = True
     takes_budget: ClassVar[bool] = True
+    compress_prompt: ClassVar[bool] = False
     needs: ClassVar[Need] = Need.NONE
-    #: Whether the hooks update LayerView.score / last_hit (saved back to the
-    #: region after each step only then: it is a write per layer per step).
+    #: Whether decisions update SlotView.score / last_hit (written back to
+    #: the region after each step only then: it is a write per layer per step).
     keeps_slot_state: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
-    def __init__(self, params: Optional[PolicyParams] = None):
-        self.params = params if params is not None else self.Params()
-
-    def on_request_begin(self, num_layers: int, num_kv_heads: int) -> None:
-        """A request starts; per-request state goes on `self`."""
-
-    def on_prefill_end(
-        self, layer: int, view: LayerView, obs: LayerObservations, budget: torch.Tensor
-    ) -> Optional[torch.Tensor]:
-        """The private prompt of `layer` is stored; may select what to keep."""
+    # ----- batched decisions (inside the forward) ---------------------------
+    def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:
+        """The private prompt of `batch.layer` is stored for every row; may
+        select what to keep. obs holds what the prompt's last queries saw."""
         return None
 
-    def on_decode_step(
-        self, step: int, layer: int, view: LayerView, obs: LayerObservations, budget: torch.Tensor
-    ) -> Optional[torch.Tensor]:
-        """One decode step of `layer` is done; `budget` is [H] tokens per head."""
+    def select_decode(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:
+        """One decode step of `batch.layer` is done for every row."""
         return None
 
-    def on_tokens(
-        self, positions: torch.Tensor, token_ids: torch.Tensor, hidden_states: Optional[torch.Tensor]
-    ) -> None:
+    # ----- per-request host events (between steps) -------------------------
+    def begin_request(self, params: PolicyParams, num_layers: int, num_kv_heads: int) -> RequestState:
+        return RequestState(params, num_layers, num_kv_heads)
+
+    def on_tokens(self, state: RequestState, positions: torch.Tensor, token_ids: torch.Tensor,
+                  hidden_states: Optional[torch.Tensor]) -> None:
         """Called once per forward pass, after the last layer, for policies
         that need TOKEN_IDS or HIDDEN_STATES: the private tokens the request
         just processed (a prompt chunk, or the one decode token) with their
         positions [T], ids [T] and, with HIDDEN_STATES, the last layer's
-        hidden states after the final norm [T, hidden]. Decisions come in the
-        other hooks, from the state a policy keeps here."""
+        hidden states after the final norm [T, hidden]."""
 
-    def on_request_end(self) -> None:
+    def end_request(self, state: RequestState) -> None:
         """The request ended (finished, aborted or failed)."""
 
-    # ----- admission ---------------------------------------------------------
-    def max_private_tokens(self, private_prompt: int, max_new_tokens: int, budget: int) -> int:
+    # ----- admission (host) ---------------------------------------------------
+    def kept_after_prefill(self, params: PolicyParams, private_prompt: int, budget: int) -> int:
+        """Most private prompt tokens one (layer, head) keeps once the prefill
+        selection ran (the default: a policy that cuts to its budget)."""
+        return min(private_prompt, budget)
+
+    def max_private_tokens(self, params: PolicyParams, private_prompt: int, max_new_tokens: int,
+                           budget: int) -> int:
         """Most private tokens one (layer, kv_head) can hold at once: the
         request's compressed ceiling, which admission reserves in the region.
 
@@ -85,3 +110,21 @@ class Policy:
         and after every decode step: the whole private prompt is held until
         prefill ends, and a decode step stores its token before evicting."""
         return min(private_prompt + max_new_tokens, max(private_prompt, budget + 1))
+
+    @classmethod
+    def tensor_params(cls) -> list[str]:
+        """Names of the numeric parameters passed to decisions as [R] tensors."""
+        return [name for name, info in cls.Params.model_fields.items()
+                if info.annotation in (int, float, bool)]
+
+    @classmethod
+    def batch_params(cls, rows: list[PolicyParams], device="cpu") -> tuple[dict, dict]:
+        """The rows' numeric parameters as [R] tensors, and each one's largest
+        value (PolicyBatch.params and .maxima). Built once per step."""
+        params, maxima = {}, {}
+        for name in cls.tensor_params():
+            values = [getattr(row, name) for row in rows]
+            dtype = torch.float32 if isinstance(values[0], float) else torch.int64
+            params[name] = torch.tensor(values, dtype=dtype, device=device)
+            maxima[name] = max(values)
+        return params, maxima

@@ -16,18 +16,18 @@ class H2OPolicy(Policy):
     keeps_slot_state = True
     description = "Heavy hitters by accumulated attention plus recent tokens."
 
-    def _evict(self, view, budget):
-        recent_n = budget // 2
-        recent = view.valid & (rank_by_position(view, newest_first=True) < recent_n.unsqueeze(1))
-        heavy = keep_top_k(view.score, view.valid & ~recent, budget - recent_n)
+    def _evict(self, batch, view):
+        recent_n = batch.budget // 2  # [R, H]
+        recent = view.valid & (rank_by_position(view, newest_first=True) < recent_n.unsqueeze(-1))
+        heavy = keep_top_k(view.score, view.valid & ~recent, batch.budget - recent_n)
         return view.valid & ~(recent | heavy)
 
-    def on_prefill_end(self, layer, view, obs, budget):
-        view.score.add_(obs.attention)
-        return self._evict(view, budget)
+    def select_prefill(self, batch, view, obs):
+        view.score.add_(obs.attention * view.valid)
+        return self._evict(batch, view)
 
-    def on_decode_step(self, step, layer, view, obs, budget):
+    def select_decode(self, batch, view, obs):
         # Free slots carry no mass; a reused slot starts from zero (the region
         # resets score when it stores a token).
         view.score.add_(obs.attention * view.valid)
-        return self._evict(view, budget)
+        return self._evict(batch, view)

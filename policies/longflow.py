@@ -2,7 +2,7 @@
 sum over the layer's query heads of ||p_{h,s} v_s||_1 from the current query;
 when the layer holds more than its budget the argmin slot is evicted from
 every head (the new token never). A prompt longer than the budget is first
-cut to the budget with snapkv's selection."""
+cut to the budget with snapkv's selection, layer-wide."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams
-from .observations import LayerObservations, Need, rank_by_position
+from .observations import Need, rank_by_position
 from .registry import register_policy
 from .snapkv import SnapKVParams, snapkv_keep
 
@@ -24,30 +24,33 @@ class LongFlowPolicy(Policy):
     name = "longflow"
     Params = LongFlowParams
     needs = Need.PV_NORM | Need.ATTENTION
+    compress_prompt = True
     description = "Static cache: each step the new token overwrites the lowest |p*v| slot of the layer."
 
-    def on_prefill_end(self, layer, view, obs, budget):
+    def select_prefill(self, batch, view, obs):
         # Cut the prompt to exactly the budget (window included), layer-wide:
         # prompt slots line up across heads, so scoring with the attention
         # summed over heads keeps the same tokens in the same slots of every
         # head, which the per-layer decode eviction relies on.
-        b = int(budget.min())
+        budget = batch.budget.amin(dim=1)  # [R]
         snap = SnapKVParams()
-        window = min(snap.window, b)
-        layer_obs = LayerObservations(attention=obs.attention.sum(dim=0, keepdim=True).expand_as(obs.attention))
-        keep = snapkv_keep(view, layer_obs, window, snap.kernel, torch.full_like(budget, b - window))
+        window = budget.clamp(max=snap.window)
+        summed = obs.attention.sum(dim=1, keepdim=True).expand_as(obs.attention)
+        kernel = torch.full_like(budget, snap.kernel)
+        top_k = (budget - window).unsqueeze(1).expand_as(batch.budget)
+        keep = snapkv_keep(view, summed, window, kernel, snap.kernel, top_k)
         return view.valid & ~keep
 
-    def on_decode_step(self, step, layer, view, obs, budget):
+    def select_decode(self, batch, view, obs):
         # Slots line up across heads (evictions are always layer-wide), so a
         # slot is one token of the layer; its score sums over all heads.
-        held = int(view.valid[0].sum())
-        evict = torch.zeros_like(view.valid)
-        if held <= int(budget.min()):
-            return evict
-        protected = rank_by_position(view, newest_first=True) < max(1, self.params.protect_recent)
-        score = obs.pv_norm.sum(dim=0)
-        candidates = view.valid[0] & ~protected[0]
-        victim = torch.where(candidates, score, torch.full_like(score, float("inf"))).argmin()
-        evict[:, victim] = True
-        return evict & view.valid
+        held = view.valid[:, 0].sum(dim=-1)  # [R]
+        over = held > batch.budget.amin(dim=1)
+        protect = batch.param("protect_recent").clamp(min=1).view(-1, 1)
+        protected = rank_by_position(view, newest_first=True)[:, 0] < protect  # [R, S]
+        score = obs.pv_norm.sum(dim=1)  # [R, S]
+        candidates = view.valid[:, 0] & ~protected
+        victim = torch.where(candidates, score, torch.full_like(score, float("inf"))).argmin(dim=-1)  # [R]
+        slots = torch.arange(score.shape[-1], device=score.device)
+        evict = (slots == victim.unsqueeze(-1)) & over.unsqueeze(-1)  # [R, S]
+        return evict.unsqueeze(1) & view.valid

@@ -1,14 +1,15 @@
-"""What a policy sees: one request's private KV of one layer, and the
-observations the attention pass produced for it.
+"""What a policy sees: the private KV slots of one layer for every row of the
+batch that runs the policy, and the observations the attention pass produced.
 
-Shapes: H = kv heads of the layer, S = slots of the request's pages in that
-layer (pages x page_size, the same for every head), Hq = query heads.
+Shapes: R = rows (requests) of the policy in this step, H = kv heads,
+S = slots per head (page-table columns x page_size, the same for every row
+and head of the step; free slots have valid False), Hq = query heads.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,49 +27,80 @@ class Need(enum.Flag):
 
 
 @dataclass
-class LayerView:
-    """A request's slots in one layer. `score` and `last_hit` are per-slot
-    policy state kept by the region between steps; a policy may update them
-    in place. Free slots have valid False and position -1."""
+class SlotView:
+    """The rows' slots in one layer. `score` and `last_hit` are per-slot
+    policy state kept in the region between steps; a policy with
+    keeps_slot_state may update them in place. Free slots have valid False
+    and position -1."""
 
-    valid: torch.Tensor  # [H, S] bool
-    position: torch.Tensor  # [H, S] int64, token position (-1: free)
-    score: torch.Tensor  # [H, S] float32
-    last_hit: torch.Tensor  # [H, S] int32
+    valid: torch.Tensor  # [R, H, S] bool
+    position: torch.Tensor  # [R, H, S] int64, token position (-1: free)
+    score: torch.Tensor  # [R, H, S] float32
+    last_hit: torch.Tensor  # [R, H, S] int32
 
     @property
     def held(self) -> torch.Tensor:
-        """Retained tokens per head, [H]."""
-        return self.valid.sum(dim=1)
+        """Retained tokens per (row, head), [R, H]."""
+        return self.valid.sum(dim=-1)
 
 
 @dataclass
-class LayerObservations:
+class Observations:
     """Produced in the same pass as attention, only where a policy asked."""
 
-    attention: Optional[torch.Tensor] = None  # [H, S] float32
-    pv_norm: Optional[torch.Tensor] = None  # [H, S] float32
-    sparsity: Optional[torch.Tensor] = None  # [Hq] float32
+    attention: Optional[torch.Tensor] = None  # [R, H, S] float32
+    pv_norm: Optional[torch.Tensor] = None  # [R, H, S] float32
+    sparsity: Optional[torch.Tensor] = None  # [R, Hq] float32
+
+    def rows(self, index: torch.Tensor) -> "Observations":
+        """The observations of a subset of rows."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return Observations(pick(self.attention), pick(self.pv_norm), pick(self.sparsity))
 
 
-def rank_by_position(view: LayerView, newest_first: bool) -> torch.Tensor:
-    """Rank of each valid slot among its head's valid slots by position (0 =
-    oldest, or newest with newest_first); invalid slots rank last. [H, S]."""
+@dataclass
+class PolicyBatch:
+    """Per-row inputs of one batched decision, as tensors on the region's
+    device: the budget per (row, head) of this layer, the decode step of
+    each row (tokens generated before this one), and every numeric policy
+    parameter as an [R] tensor (`param("sinks")`), with its largest value
+    over the rows known on the host (`max_param`), for loops bounded by a
+    parameter."""
+
+    layer: int
+    budget: torch.Tensor  # [R, H] int64
+    step: torch.Tensor  # [R] int64
+    params: dict = field(default_factory=dict)  # name -> [R] tensor
+    maxima: dict = field(default_factory=dict)  # name -> int or float
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.params[name]
+
+    def max_param(self, name: str):
+        return self.maxima[name]
+
+
+def rank_by_position(view: SlotView, newest_first: bool) -> torch.Tensor:
+    """Rank of each valid slot among its (row, head)'s valid slots by position
+    (0 = oldest, or newest with newest_first); invalid slots rank last.
+    Same shape as view.valid."""
     big = torch.iinfo(torch.int64).max // 4
-    key = view.position.clone()
-    if newest_first:
-        key = -key
+    key = -view.position if newest_first else view.position
     key = torch.where(view.valid, key, torch.full_like(key, big))
-    order = key.argsort(dim=1, stable=True)
+    return ranks_of(key, descending=False)
+
+
+def ranks_of(key: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Rank of each entry along the last dim (stable: ties by lower index)."""
+    order = key.argsort(dim=-1, descending=descending, stable=True)
     ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    arange = torch.arange(order.shape[-1], device=order.device)
+    ranks.scatter_(-1, order, arange.expand_as(order))
     return ranks
 
 
 def keep_top_k(values: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per row, the k[row] eligible entries of highest value (ties: lower slot). [H, S] bool."""
+    """Per (row, head), the k eligible entries of highest value (ties: lower
+    slot). values/eligible [..., S]; k broadcastable to values.shape[:-1]."""
     masked = torch.where(eligible, values.float(), torch.full_like(values, float("-inf"), dtype=torch.float32))
-    order = masked.argsort(dim=1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return eligible & (ranks < k.unsqueeze(1))
+    return eligible & (ranks_of(masked, descending=True) < k.unsqueeze(-1))

@@ -5,7 +5,6 @@ top `budget` plus the window are kept. Nothing is evicted while decoding."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, field_validator
 
 from .base import Policy, PolicyParams
@@ -25,22 +24,35 @@ class SnapKVParams(PolicyParams):
         return kernel
 
 
-def pool_by_position(scores: torch.Tensor, view, kernel: int) -> torch.Tensor:
-    """Max-pool each head's scores over `kernel` neighbours in position order."""
-    order = view.position.masked_fill(~view.valid, torch.iinfo(torch.int64).max).argsort(dim=1)
-    ordered = scores.gather(1, order).masked_fill(~view.valid.gather(1, order), 0.0)
-    pooled = F.max_pool1d(ordered.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+def pool_by_position(scores: torch.Tensor, view, kernel: torch.Tensor, max_kernel: int) -> torch.Tensor:
+    """Max-pool each (row, head)'s scores over its row's `kernel` ([R])
+    neighbours in position order. The loop runs over kernel offsets, bounded
+    by `max_kernel` (a parameter bound known on the host), never over rows."""
+    order = view.position.masked_fill(~view.valid, torch.iinfo(torch.int64).max).argsort(dim=-1)
+    ordered = scores.gather(-1, order).masked_fill(~view.valid.gather(-1, order), 0.0)
+    half = (kernel // 2).view(-1, 1, 1)
+    pooled = ordered.clone()
+    S = ordered.shape[-1]
+    for d in range(1, max_kernel // 2 + 1):
+        if d >= S:
+            break
+        pad = ordered.new_zeros((*ordered.shape[:-1], d))
+        left = torch.cat([pad, ordered[..., :-d]], dim=-1)  # neighbour d slots older
+        right = torch.cat([ordered[..., d:], pad], dim=-1)  # neighbour d slots newer
+        within = d <= half
+        pooled = torch.where(within, torch.maximum(pooled, torch.maximum(left, right)), pooled)
     out = torch.empty_like(pooled)
-    out.scatter_(1, order, pooled)
+    out.scatter_(-1, order, pooled)
     return out
 
 
-def snapkv_keep(view, obs, window: int, kernel: int, top_k: torch.Tensor) -> torch.Tensor:
-    """SnapKV's selection, [H, S] bool: the newest `window` slots of each head
-    plus its `top_k` others of highest pooled attention. obs.attention is the
-    mass each slot received from the prompt's last queries."""
-    recent = view.valid & (rank_by_position(view, newest_first=True) < window)
-    pooled = pool_by_position(obs.attention, view, kernel)
+def snapkv_keep(view, attention, window: torch.Tensor, kernel: torch.Tensor, max_kernel: int,
+                top_k: torch.Tensor) -> torch.Tensor:
+    """SnapKV's selection, [R, H, S] bool: the newest `window` ([R]) slots of
+    each head plus its `top_k` ([R, H]) others of highest pooled attention.
+    `attention` is the mass each slot received from the prompt's last queries."""
+    recent = view.valid & (rank_by_position(view, newest_first=True) < window.view(-1, 1, 1))
+    pooled = pool_by_position(attention, view, kernel, max_kernel)
     return recent | keep_top_k(pooled, view.valid & ~recent, top_k)
 
 
@@ -49,12 +61,18 @@ class SnapKVPolicy(Policy):
     name = "snapkv"
     Params = SnapKVParams
     needs = Need.ATTENTION
+    compress_prompt = True
     description = "Prefill-time selection by the attention of the prompt's last queries."
 
-    def on_prefill_end(self, layer, view, obs, budget):
-        return view.valid & ~snapkv_keep(view, obs, self.params.window, self.params.kernel, budget)
+    def select_prefill(self, batch, view, obs):
+        keep = snapkv_keep(view, obs.attention, batch.param("window"), batch.param("kernel"),
+                           batch.max_param("kernel"), batch.budget)
+        return view.valid & ~keep
 
-    def max_private_tokens(self, private_prompt, max_new_tokens, budget):
+    def kept_after_prefill(self, params, private_prompt, budget):
+        return min(private_prompt, budget + params.window)
+
+    def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
         # The selection keeps window + budget prompt tokens; decode only adds.
-        kept = min(private_prompt, budget + self.params.window)
+        kept = self.kept_after_prefill(params, private_prompt, budget)
         return max(private_prompt, kept + max_new_tokens)

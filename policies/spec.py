@@ -4,6 +4,7 @@ Accepted forms (OpenAI request body, top level or inside `extra_body`):
   "h2o"                                   a policy name, or a preset name
   {"name": "h2o", "budget": 256, "params": {...}}
   {"name": "h2o", "budget_ratio": 0.1}
+  {"name": "snapkv", "budget": 256, "compress_prompt": false}
 Every error names the offending field (`kv_policy.budget`, ...).
 """
 
@@ -35,12 +36,22 @@ class KVPolicySpec(BaseModel):
     budget: Optional[int] = Field(default=None, gt=0)
     budget_ratio: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     params: dict[str, Any] = Field(default_factory=dict)
+    #: Whether the private prompt goes to the compressed region (and is cut by
+    #: the policy at prefill end) or stays in SGLang's radix cache, attended in
+    #: full and shared with later requests. None: the policy's default.
+    compress_prompt: Optional[bool] = None
     #: The preset this spec came from, if any (reported back in kv_usage).
     preset: Optional[str] = None
 
     @property
     def compresses(self) -> bool:
         return get_policy(self.name).compresses
+
+    @property
+    def prompt_compressed(self) -> bool:
+        if self.compress_prompt is not None:
+            return self.compress_prompt
+        return get_policy(self.name).compress_prompt
 
     def to_custom_params(self) -> dict[str, Any]:
         """JSON-safe form carried by SamplingParams.custom_params["kv_policy"]."""
@@ -106,6 +117,8 @@ def parse_kv_policy(
     if not policy.takes_budget and (spec.budget is not None or spec.budget_ratio is not None):
         which = "budget" if spec.budget is not None else "budget_ratio"
         raise KVPolicyError(f"{field}.{which}", f"policy {name!r} takes no budget")
+    if not policy.compresses and spec.compress_prompt is not None:
+        raise KVPolicyError(f"{field}.compress_prompt", f"policy {name!r} does not compress")
     try:
         params = policy.Params.model_validate(spec.params)
     except ValidationError as err:

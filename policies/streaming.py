@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams
@@ -19,15 +20,15 @@ class StreamingPolicy(Policy):
     Params = StreamingParams
     description = "Attention sinks plus a sliding window of recent tokens."
 
-    def _evict(self, view, budget):
-        sinks = min(self.params.sinks, int(budget.min()))
-        oldest_rank = rank_by_position(view, newest_first=False)
-        newest_rank = rank_by_position(view, newest_first=True)
-        keep = (oldest_rank < sinks) | (newest_rank < (budget - sinks).unsqueeze(1))
+    def _evict(self, batch, view):
+        budget = batch.budget.unsqueeze(-1)  # [R, H, 1]
+        sinks = torch.minimum(batch.param("sinks").view(-1, 1, 1), budget)
+        keep = (rank_by_position(view, newest_first=False) < sinks) | \
+               (rank_by_position(view, newest_first=True) < budget - sinks)
         return view.valid & ~keep
 
-    def on_prefill_end(self, layer, view, obs, budget):
-        return self._evict(view, budget)
+    def select_prefill(self, batch, view, obs):
+        return self._evict(batch, view)
 
-    def on_decode_step(self, step, layer, view, obs, budget):
-        return self._evict(view, budget)
+    def select_decode(self, batch, view, obs):
+        return self._evict(batch, view)

@@ -1,43 +1,69 @@
 """kvsieve's attention backend (SGLang registry name "kvsieve").
 
-Rows of requests without a compressing policy take SGLang's torch_native path
-unchanged. A compressed request keeps its private tokens (the prompt tail
-past the radix-matched prefix, and every generated token) in the compressed
-region. Its attention, in extend and in decode, reads the shared prefix from
-SGLang's token pool plus its region slots, with one softmax over both
-(kernels.attention_ref); the policy then decides evictions from the
-observations of that same pass.
+It wraps SGLang's own backend for the platform (triton on GPU, torch_native
+on CPU). A batch without compressed rows goes to that backend unchanged, so
+`full` traffic runs at SGLang's speed (CUDA graphs included). In a batch
+with compressed rows, the other rows run SGLang's backend on their subset
+(step_meta.sub_batch) and the compressed rows go through one batched pass
+per layer:
 
-Its tokens take no token-pool slot once its prefill ends: generated tokens
-are given SGLang's dummy slot (decode_slots.py) and the private prompt's
-slots are freed after the last prefill chunk (plugin.py).
+1. store the new K/V in the region: in decode each (row, head)'s first free
+   slot, found on the device; in an extend the prompt chunk's slots, in one
+   write;
+2. attend over the shared prefix (SGLang's token pool through req_to_token)
+   plus the region pages (through the page table), producing the
+   observations the policies asked for (kernels.attention_ref);
+3. one batched decision per policy class present (policies.base);
+4. evictions clear valid bits; a prompt that ends in this step is selected
+   and compacted to the front of its pages, so the page manager can give the
+   rest back after the step.
+
+All host work (which rows, prefix lengths, budgets, parameters) is done once
+per step in step_meta.py; the per-layer code below has no Python loop over
+rows, heads, slots or tokens and no host-device sync.
 """
 
 from __future__ import annotations
 
 import torch
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from kvsieve.kernels.attention_ref import attend, attend_decode
-from kvsieve.policies import LayerObservations, Need
+from kvsieve.kernels.attention_ref import attend_rows
+from kvsieve.policies import Need, Observations, SlotView
 
-from .region import RegionFull
-from .runtime import RUNTIME, CompressedRequest
+from .runtime import RUNTIME
+from .step_meta import StepBuilder, StepMeta
 
-#: Prompt queries whose attention scores the prompt at prefill end (snapkv's window).
-DEFAULT_OBSERVATION_WINDOW = 32
-#: Prompt queries attended together: bounds the [queries, heads, slots] logits.
+#: Prompt queries attended together: bounds the [rows, queries, heads, slots] logits.
 EXTEND_QUERY_BLOCK = 256
 
 
-class KvsieveAttnBackend(TorchNativeAttnBackend):
+def _platform_backend(model_runner):
+    """SGLang's backend for rows that keep SGLang's KV path."""
+    if model_runner.device == "cuda":
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend(model_runner)
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    return TorchNativeAttnBackend(model_runner)
+
+
+class KvsieveAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
-        super().__init__(model_runner)
-        pool = self.token_to_kv_pool
+        super().__init__()
+        self.inner = _platform_backend(model_runner)
+        pool = model_runner.token_to_kv_pool
+        self.token_to_kv_pool = pool
         self.num_layers = pool.layer_num
-        self.region = RUNTIME.ensure_region(pool.layer_num, pool.head_num, pool.head_dim, pool.dtype,
-                                            self.device, pool_tokens=pool.size)
+        self.device = model_runner.device
+        self.pages = RUNTIME.ensure_region(
+            pool.layer_num, pool.head_num, pool.head_dim, pool.dtype, self.device, pool_tokens=pool.size,
+            max_rows=model_runner.req_to_token_pool.req_to_token.shape[0],
+            context_len=model_runner.model_config.context_len)
+        self.steps = StepBuilder(self.pages, model_runner.req_to_token_pool.req_to_token, self.device)
+        self.step: StepMeta | None = None
 
         # Token ids and the last layer's hidden states reach policies from
         # the input of the model's logits processor, which every SGLang
@@ -46,8 +72,41 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         if logits_processor is not None:
             logits_processor.register_forward_pre_hook(self._observe_tokens, with_kwargs=True)
 
+    # Everything this class does not define (CUDA-graph state and metadata,
+    # fill values) is SGLang's backend's: graphs run batches without
+    # compressed rows only (plugin.graphs_skip_compressed_batches).
+    def __getattr__(self, name):
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        return self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        return self.inner.init_forward_metadata_out_graph(forward_batch, in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        return self.inner.init_forward_metadata_in_graph(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.inner.get_cuda_graph_seq_len_fill_value()
+
+    def support_triton(self):
+        return self.inner.support_triton()
+
+    # ----- once per step ----------------------------------------------------
+    def init_forward_metadata(self, forward_batch):
+        RUNTIME.after_step()  # host bookkeeping of the previous step (rate-limited)
+        self.step = self.steps.build(forward_batch)
+        if self.step is None:
+            self.inner.init_forward_metadata(forward_batch)
+        elif self.step.pool_batch is not None:
+            self.inner.init_forward_metadata(self.step.pool_batch)
+
     def _observe_tokens(self, module, args, kwargs):
-        if not RUNTIME.requests:
+        if not RUNTIME.token_observers:
             return None
         names = ("input_ids", "hidden_states", "lm_head", "logits_metadata")
         given = dict(zip(names, args)) | kwargs
@@ -55,181 +114,188 @@ class KvsieveAttnBackend(TorchNativeAttnBackend):
         hidden = given.get("hidden_states")
         if forward_batch is None or hidden is None or not hasattr(forward_batch, "rids"):
             return None
-        token_needs = Need.TOKEN_IDS | Need.HIDDEN_STATES
-        lengths = (forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend()
-                   else [1] * len(forward_batch.rids))
-        start = 0
-        for rid, n in zip(forward_batch.rids, lengths):
-            req = RUNTIME.requests.get(rid)
-            if req is not None and req.policy.needs & token_needs and not req.overflowed:
-                rows = slice(start, start + n)
-                wants_hidden = bool(req.policy.needs & Need.HIDDEN_STATES)
-                req.policy.on_tokens(forward_batch.positions[rows], given["input_ids"][rows],
-                                     hidden[rows] if wants_hidden else None)
-            start += n
+        RUNTIME.observe_tokens(forward_batch, given["input_ids"], hidden)
         return None
 
-    # ----- helpers ---------------------------------------------------------
-    def _prefix_kv(self, layer_id: int, req_pool_idx: int, prefix_len: int):
-        slots = self.req_to_token_pool.req_to_token[req_pool_idx, :prefix_len].long()
-        k = self.token_to_kv_pool.get_key_buffer(layer_id)[slots]
-        v = self.token_to_kv_pool.get_value_buffer(layer_id)[slots]
-        return k, v
-
-    def _apply(self, req: CompressedRequest, layer_id: int, view, evict) -> None:
-        if req.policy.keeps_slot_state:
-            self.region.write_policy_state(req.rid, layer_id, view)
-        if evict is not None:
-            n = self.region.evict(req.rid, layer_id, evict)
-            req.evicted += n
-            req.eviction_events += int(n > 0)
-
-    # ----- SGLang entry points ----------------------------------------------
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        rows = [RUNTIME.requests.get(rid) for rid in forward_batch.rids] if RUNTIME.requests else []
-        if not any(rows) or layer.is_cross_attention or forward_batch.encoder_lens is not None:
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        Hq, H, D = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-        q3 = q.view(-1, Hq, D)
-        k3, v3 = k.view(-1, H, D), v.view(-1, H, layer.v_head_dim)
-        o3 = q3.new_empty((q3.shape[0], Hq, layer.v_head_dim))
+    # ----- SGLang entry points ------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        step = self.step
+        if step is None or layer.is_cross_attention:
+            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        q3, k3, v3, o3 = self._shapes(q, k, v, layer)
         if save_kv_cache:
             # Every row's tokens go to the pool slots SGLang allocated; a
             # compressed row's private prompt slots are freed once its prefill
-            # ends (plugin.free_private_prompt_slots), since only the region is read.
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
-        starts = [0]
-        for n in forward_batch.extend_seq_lens_cpu:
-            starts.append(starts[-1] + n)
-        full = [i for i, req in enumerate(rows) if req is None or req.overflowed]
-        if full:
-            self._extend_rows_from_pool(q3, o3, layer, forward_batch, full, starts)
-        for i, req in enumerate(rows):
-            if req is not None and not req.overflowed:
-                span = slice(starts[i], starts[i + 1])
-                o3[span] = self._extend_row(req, layer, forward_batch, i, q3[span], k3[span], v3[span])
-        return o3.reshape(q3.shape[0], Hq * layer.v_head_dim)
+            # ends (decode_slots.free_private_prompt_slots).
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        if step.pool_batch is not None:
+            t = step.pool_token_index
+            out = self.inner.forward_extend(q3[t].flatten(1), k3[t], v3[t], layer, step.pool_batch,
+                                            save_kv_cache=False)
+            o3[t] = out.view(t.shape[0], *o3.shape[1:])
+        if step.zero_token_index is not None:
+            o3[step.zero_token_index] = 0
+        if step.region is not None:
+            self._extend_region(q3, k3, v3, o3, layer, step)
+        return o3.flatten(1)
 
-    def _extend_rows_from_pool(self, q3, o3, layer, forward_batch, rows, starts):
-        """SGLang's own extend attention for the uncompressed rows."""
-        idx = torch.tensor(rows, dtype=torch.int64, device=q3.device)
-        tokens = torch.cat([torch.arange(starts[i], starts[i + 1], device=q3.device) for i in rows])
-        out = q3.new_empty((tokens.numel(), q3.shape[1], o3.shape[2]))
-        window = layer.sliding_window_size
-        self._run_sdpa_forward_extend(
-            q3[tokens], out,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices[idx], forward_batch.seq_lens[idx],
-            forward_batch.extend_prefix_lens[idx], forward_batch.extend_seq_lens[idx], None,
-            scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-            causal=True, is_cross_attn=False,
-            sliding_window_size=window if window is not None and window > -1 else None,
-        )
-        o3[tokens] = out
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        step = self.step
+        if step is None or layer.is_cross_attention:
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        q3, k3, v3, o3 = self._shapes(q, k, v, layer)
+        if save_kv_cache:
+            # Compressed rows write to slot 0, SGLang's dummy slot (decode_slots.py).
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        if step.pool_batch is not None:
+            i = step.pool_batch_index
+            out = self.inner.forward_decode(q3[i].flatten(1), k3[i], v3[i], layer, step.pool_batch,
+                                            save_kv_cache=False)
+            o3[i] = out.view(i.shape[0], *o3.shape[1:])
+        if step.zero_batch_index is not None:
+            o3[step.zero_batch_index] = 0
+        if step.region is not None:
+            self._decode_region(q3, k3, v3, o3, layer, step)
+        return o3.flatten(1)
 
-    def _extend_row(self, req, layer, forward_batch, i, q_rows, k_rows, v_rows):
-        """One chunk of a compressed request's private prompt: store its
-        tokens in the region, attend over prefix + region (causal), and at the
-        prompt's end let the policy select. Returns the chunk's output."""
-        prefix = forward_batch.extend_prefix_lens_cpu[i]
-        if req.prefix_len < 0:
-            RUNTIME.begin(req, prefix)
-        T = k_rows.shape[0]
-        try:
-            for j in range(T):
-                self.region.store(req.rid, layer.layer_id, k_rows[j], v_rows[j], prefix + j)
-        except RegionFull:
-            RUNTIME.overflow(req)
-            return q_rows.new_zeros((T, q_rows.shape[1], v_rows.shape[2]))
-        last_layer = layer.layer_id == self.num_layers - 1
-        if last_layer:
-            req.private_seen += T
-        ends_prompt = prefix + T >= req.prompt_len
-        rk, rv, view = self.region.layer_slots(req.rid, layer.layer_id)
-        pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
-        needs = req.policy.needs & (Need.ATTENTION | Need.PV_NORM)
-        window = getattr(req.policy.params, "window", DEFAULT_OBSERVATION_WINDOW)
-        positions = torch.arange(prefix, prefix + T, device=q_rows.device)
-        out = q_rows.new_empty((T, q_rows.shape[1], v_rows.shape[2]))
-        for b in range(0, T, EXTEND_QUERY_BLOCK):
-            pos = positions[b:b + EXTEND_QUERY_BLOCK]
-            mask = view.valid.unsqueeze(0) & (view.position.unsqueeze(0) <= pos.view(-1, 1, 1))
-            # The prompt's last `window` queries score it for the policy, in
-            # whichever chunks they fall (slots only append before selection).
-            observe = pos >= req.prompt_len - window
-            block_needs = needs if bool(observe.any()) else Need.NONE
-            o, obs = attend(q_rows[b:b + EXTEND_QUERY_BLOCK], pk, pv, rk, rv, mask, layer.scaling,
-                            block_needs, observe=observe)
-            out[b:b + EXTEND_QUERY_BLOCK] = o.to(out.dtype)
-            if block_needs:
-                req.add_prefill_observations(layer.layer_id, obs)
-        if ends_prompt:
-            obs = req.take_prefill_observations(layer.layer_id, view.valid.shape[1])
-            budget = req.budget(layer.tp_k_head_num, device=view.valid.device)
-            self._apply(req, layer.layer_id, view, req.policy.on_prefill_end(layer.layer_id, view, obs, budget))
-        if last_layer:
-            if ends_prompt:
-                RUNTIME.shrink_reservation(req)
-            RUNTIME.report(req)
-        return out
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        rows = [RUNTIME.requests.get(rid) for rid in forward_batch.rids] if RUNTIME.requests else []
-        if not any(rows) or layer.is_cross_attention or forward_batch.encoder_lens is not None:
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+    # ----- the batched compressed pass ----------------------------------------
+    @staticmethod
+    def _shapes(q, k, v, layer):
         Hq, H, D = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, Hq, D)
         k3, v3 = k.view(-1, H, D), v.view(-1, H, layer.v_head_dim)
-        o3 = q3.new_empty((q3.shape[0], Hq, layer.v_head_dim))
-        if save_kv_cache:
-            # Compressed rows write to slot 0, SGLang's dummy slot (decode_slots.py).
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
-        full = [i for i, req in enumerate(rows) if req is None]
-        if full:
-            self._decode_rows_from_pool(q3, o3, layer, forward_batch, full)
-        for i, req in enumerate(rows):
-            if req is not None:
-                self._decode_row_from_region(req, q3, k3, v3, o3, layer, forward_batch, i)
-        return o3.reshape(q3.shape[0], Hq * layer.v_head_dim)
+        return q3, k3, v3, q3.new_empty((q3.shape[0], Hq, layer.v_head_dim))
 
-    def _decode_rows_from_pool(self, q3, o3, layer, forward_batch, rows):
-        """SGLang's own decode attention for the uncompressed rows."""
-        idx = torch.tensor(rows, dtype=torch.int64, device=q3.device)
-        out = q3.new_empty((len(rows), q3.shape[1], o3.shape[2]))
-        window = layer.sliding_window_size
-        self._run_sdpa_forward_decode(
-            q3[idx], out,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices[idx], forward_batch.seq_lens[idx], None,
-            scaling=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-            causal=False, is_cross_attn=False,
-            sliding_window_size=window if window is not None and window > -1 else None,
-        )
-        o3[idx] = out
+    def _prefix_kv(self, layer, rows):
+        slots = rows.prefix_slots  # [R, P]
+        k = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots]
+        v = self.token_to_kv_pool.get_value_buffer(layer.layer_id)[slots]
+        return k, v  # [R, P, H, D]
 
-    def _decode_row_from_region(self, req, q3, k3, v3, o3, layer, forward_batch, i):
-        if req.prefix_len < 0 or req.overflowed:
-            # Being aborted (region full): its output is never sent.
-            o3[i] = 0
-            return
-        pos = int(forward_batch.seq_lens_cpu[i]) - 1
-        try:
-            self.region.store(req.rid, layer.layer_id, k3[i], v3[i], pos)
-        except RegionFull:
-            RUNTIME.overflow(req)  # the request ends with a 503
-            o3[i] = 0
-            return
-        rk, rv, view = self.region.layer_slots(req.rid, layer.layer_id)
-        pk, pv = self._prefix_kv(layer.layer_id, int(forward_batch.req_pool_indices[i]), req.prefix_len)
-        out, obs = attend_decode(q3[i], pk, pv, rk, rv, view.valid, layer.scaling, req.policy.needs)
-        o3[i] = out.to(o3.dtype)
-        budget = req.budget(layer.tp_k_head_num, device=view.valid.device)
-        evict = req.policy.on_decode_step(pos - req.prompt_len, layer.layer_id, view, obs, budget)
-        self._apply(req, layer.layer_id, view, evict)
-        if layer.layer_id == self.num_layers - 1:
-            req.private_seen += 1
-            RUNTIME.report(req)
+    def _slots(self, table):
+        """The view of the slots of page-table rows `table` [R, H, M]: K, V
+        [R, H, S, D] and the SlotView [R, H, S]."""
+        p = self.pages
+        R, H, M = table.shape
+        flat = lambda t: t[table].reshape(R, H, M * p.config.page_size, *t.shape[2:])  # noqa: E731
+        view = SlotView(valid=flat(p.valid), position=flat(p.position), score=flat(p.score),
+                        last_hit=flat(p.last_hit))
+        return flat(p.k), flat(p.v), view
+
+    def _decode_region(self, q3, k3, v3, o3, layer, step):
+        rows, p = step.region, self.pages
+        table = rows.tables[:, layer.layer_id]  # [R, H, M]
+        R, H, M = table.shape
+        P = p.config.page_size
+        idx = rows.batch_index
+        # 1. The new token goes to each (row, head)'s first free slot.
+        real = (table != p.null_page).unsqueeze(-1)
+        free = (~p.valid[table] & real).reshape(R, H, M * P)
+        slot = free.int().argmax(dim=-1)  # [R, H]
+        RUNTIME.flag_overflow(rows.pool_rows, ~free.any(dim=-1).all(dim=-1))
+        page = table.gather(2, (slot // P).unsqueeze(-1)).squeeze(-1)
+        offset = slot % P
+        p.k[page, offset] = k3[idx].to(p.k.dtype)
+        p.v[page, offset] = v3[idx].to(p.v.dtype)
+        p.valid[page, offset] = True
+        p.position[page, offset] = rows.positions.unsqueeze(1)
+        p.score[page, offset] = 0.0
+        p.last_hit[page, offset] = 0
+        # 2. Attention over prefix + region, with the observations asked for.
+        rk, rv, view = self._slots(table)
+        pk, pv = self._prefix_kv(layer, rows)
+        out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv, view.valid.unsqueeze(1),
+                               layer.scaling, rows.needs)
+        o3[idx] = out[:, 0].to(o3.dtype)
+        # 3-4. Decide and evict.
+        self._decide(layer, table, view, obs, rows.groups, rows.keeps_state, rows.pool_rows, prefill=False)
+
+    def _decide(self, layer, table, view, obs, groups, keeps_state, pool_rows, prefill):
+        """One batched call per policy class; then write valid bits (and the
+        policy state) back to the region."""
+        p = self.pages
+        H = table.shape[1]
+        evict = torch.zeros_like(view.valid)
+        for group in groups:  # one per policy class present, not per row
+            g = group.rows
+            sub = SlotView(valid=view.valid[g], position=view.position[g], score=view.score[g],
+                           last_hit=view.last_hit[g])
+            batch = group.batch(layer.layer_id, H)
+            decide = group.policy.select_prefill if prefill else group.policy.select_decode
+            chosen = decide(batch, sub, obs.rows(g))
+            if group.policy.keeps_slot_state:
+                view.score[g] = sub.score
+                view.last_hit[g] = sub.last_hit
+            if chosen is not None:
+                evict[g] = chosen
+        evict &= view.valid
+        shape = (*table.shape, p.config.page_size)
+        if keeps_state:
+            p.score[table] = view.score.reshape(shape)
+            p.last_hit[table] = view.last_hit.reshape(shape)
+        kept = view.valid & ~evict
+        p.valid[table] = kept.reshape(shape)
+        p.position[table] = torch.where(kept, view.position, -1).reshape(shape)
+        RUNTIME.count_evictions(pool_rows, evict.sum(dim=(1, 2)))
+        view.valid = kept
+        return kept
+
+    def _extend_region(self, q3, k3, v3, o3, layer, step):
+        rows, ext, p = step.region, step.extend, self.pages
+        table = rows.tables[:, layer.layer_id]  # [R, H, M]
+        R, H, M = table.shape
+        P = p.config.page_size
+        # 1. The chunk's tokens take the next slots of their rows, in one write.
+        heads = torch.arange(H, device=table.device)
+        page = table[ext.token_row.unsqueeze(1), heads.unsqueeze(0), (ext.token_slot // P).unsqueeze(1)]  # [N, H]
+        offset = (ext.token_slot % P).unsqueeze(1)
+        t = ext.token_index
+        p.k[page, offset] = k3[t].to(p.k.dtype)
+        p.v[page, offset] = v3[t].to(p.v.dtype)
+        p.valid[page, offset] = True
+        p.position[page, offset] = ext.query_pos[ext.token_row, ext.token_col].unsqueeze(1)
+        p.score[page, offset] = 0.0
+        p.last_hit[page, offset] = 0
+        # 2. Causal attention over prefix + region, in query blocks.
+        rk, rv, view = self._slots(table)
+        pk, pv = self._prefix_kv(layer, rows)
+        q_rows = q3.new_zeros((R, ext.max_len, *q3.shape[1:]))
+        q_rows[ext.token_row, ext.token_col] = q3[t]
+        out_rows = q3.new_empty((R, ext.max_len, q3.shape[1], o3.shape[2]))
+        observed = Need.ATTENTION if rows.needs & Need.ATTENTION else Need.NONE
+        attention = torch.zeros_like(view.score)
+        for b in range(0, ext.max_len, EXTEND_QUERY_BLOCK):  # blocks of queries, known on the host
+            pos = ext.query_pos[:, b:b + EXTEND_QUERY_BLOCK]  # [R, Tb]
+            mask = view.valid.unsqueeze(1) & (view.position.unsqueeze(1) <= pos.view(R, -1, 1, 1)) \
+                & (pos >= 0).view(R, -1, 1, 1)
+            out, obs = attend_rows(q_rows[:, b:b + EXTEND_QUERY_BLOCK], pk, pv, rows.prefix_mask, rk, rv, mask,
+                                   layer.scaling, observed, observe=ext.observe[:, b:b + EXTEND_QUERY_BLOCK])
+            out_rows[:, b:b + EXTEND_QUERY_BLOCK] = out
+            if observed:
+                attention += obs.attention
+        o3[t] = out_rows[ext.token_row, ext.token_col].to(o3.dtype)
+        if observed:
+            # Summed over prefill chunks in the region, until the selection reads it.
+            shape = (*table.shape, P)
+            p.prefill_attention[table] = (p.prefill_attention[table] + attention.reshape(shape))
+        if ext.ending.numel():
+            self._select_prompt(layer, table[ext.ending], ext, rows.pool_rows[ext.ending])
+
+    def _select_prompt(self, layer, table, ext, pool_rows):
+        """The private prompt of these rows is whole: let their policies
+        select, then compact each head's kept tokens to its first slots."""
+        p = self.pages
+        R, H, M = table.shape
+        P = p.config.page_size
+        _, _, view = self._slots(table)
+        shape = (R, H, M * P)
+        obs = Observations(attention=p.prefill_attention[table].reshape(shape))
+        keeps_state = any(g.policy.keeps_slot_state for g in ext.ending_groups)
+        kept = self._decide(layer, table, view, obs, ext.ending_groups, keeps_state, pool_rows, prefill=True)
+        # Compaction: a stable sort puts kept slots first in slot order.
+        order = (~kept).to(torch.int8).argsort(dim=-1, stable=True)  # [R, H, S]
+        for buffer in (p.k, p.v, p.valid, p.position, p.score, p.last_hit):
+            slots = buffer[table].reshape(*shape, *buffer.shape[2:])
+            index = order.view(*shape, *([1] * (buffer.dim() - 2))).expand_as(slots)
+            buffer[table] = slots.gather(2, index).reshape(*table.shape, P, *buffer.shape[2:])
+        p.prefill_attention[table] = 0.0

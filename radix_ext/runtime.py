@@ -1,9 +1,12 @@
 """Per-scheduler-process state of compressed requests: which rids compress,
-their policy instance, budgets, counters, and the region they live in.
+their policy and parameters, budgets, and the page manager they live in.
 
 SGLang's scheduler, its model runner and the attention backend share one
-process, so the scheduler hooks (plugin.py) and the backend (backend.py)
-meet here, keyed by request id.
+process, so the scheduler hooks (plugin.py, admission.py) and the backend
+(backend.py, step_meta.py) meet here, keyed by request id. Host counters are
+plain ints; what the forward counts (evictions, overflow) stays in device
+tensors indexed by req_pool row, read on the host only after a step, at
+most once a second, and when a request ends.
 """
 
 from __future__ import annotations
@@ -11,15 +14,17 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from kvsieve.policies import KVPolicyError, KVPolicySpec, LayerObservations, Policy, get_policy, parse_kv_policy
+from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyParams, RequestState, get_policy, \
+    parse_kv_policy
 
-from . import metrics
-from .region import CompressedRegion, RegionConfig
+from . import memory_split, metrics
+from .pages import PageManager, RegionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +32,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUDGET = 1024
 #: Floor of a budget given as budget_ratio.
 MIN_RATIO_BUDGET = 16
+#: Seconds between two refreshes of the region gauges and overflow checks.
+REFRESH_INTERVAL_S = 1.0
+
+_POLICY_INSTANCES: dict[type, Policy] = {}
 
 
-def _pad_slots(values: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[H, S] padded with zeros to [H, num_slots]."""
-    return torch.nn.functional.pad(values, (0, num_slots - values.shape[1]))
+def policy_instance(name: str) -> Policy:
+    """Policies are stateless functions over a batch: one instance per class."""
+    cls = get_policy(name)
+    if cls not in _POLICY_INSTANCES:
+        _POLICY_INSTANCES[cls] = cls()
+    return _POLICY_INSTANCES[cls]
 
 
 @dataclass
@@ -39,46 +51,29 @@ class CompressedRequest:
     rid: str
     spec: KVPolicySpec
     policy: Policy
+    params: PolicyParams
     prompt_len: int
-    prefix_len: int = -1  # radix-shared prompt tokens; -1 until the first extend
-    private_seen: int = 0  # private tokens stored so far (per layer)
-    evicted: int = 0  # slot evictions summed over layers and heads
-    eviction_events: int = 0  # (step, layer) pairs that evicted something
+    state: Optional[RequestState] = None  # the policy's per-request host state
+    prefix_len: int = -1  # tokens read from the token pool (shared prefix); -1 until its first forward
+    radix_hit: int = -1  # prompt tokens matched in the radix tree at its first forward
+    private_seen: int = 0  # private tokens stored so far (per layer and head)
     reported_tokens: int = 0  # what the retained gauges hold for this request
     reported_bytes: int = 0
     #: SGLang's Req, to end it cleanly if the region cannot take its tokens.
     sgl_req: object = None
-    #: Region pages reserved at admission for the request's compressed
+    #: Region pages allocated at admission for the request's compressed
     #: ceiling; 0 while it waits.
     reserved_pages: int = 0
     #: Tokens it may still generate, as of its admission.
     max_new_tokens: int = 0
     #: Set when the region ran out for this request: it is being aborted and
-    #: the backend leaves its rows to SGLang's path until it ends. Admission
-    #: reserves the ceiling, so this is a guard against accounting bugs only.
+    #: the backend gives its rows zeros until it ends. Admission allocates the
+    #: ceiling, so this is a guard against policy bugs only.
     overflowed: bool = False
 
-    #: Per layer, observations of the prompt's last queries gathered over
-    #: its prefill chunks, until on_prefill_end.
-    prefill_obs: dict = field(default_factory=dict)
-
-    def add_prefill_observations(self, layer: int, obs: LayerObservations) -> None:
-        """Sum a chunk's observations into the layer's; slots only append
-        during prefill, so a later chunk's [H, S] extends an earlier one's."""
-        kept = self.prefill_obs.setdefault(layer, LayerObservations())
-        for name in ("attention", "pv_norm"):
-            new = getattr(obs, name)
-            if new is not None:
-                old = getattr(kept, name)
-                setattr(kept, name, new if old is None else new + _pad_slots(old, new.shape[1]))
-
-    def take_prefill_observations(self, layer: int, num_slots: int) -> LayerObservations:
-        obs = self.prefill_obs.pop(layer, LayerObservations())
-        for name in ("attention", "pv_norm"):
-            value = getattr(obs, name)
-            if value is not None:
-                setattr(obs, name, _pad_slots(value, num_slots))
-        return obs
+    @property
+    def private_prompt_in_region(self) -> bool:
+        return self.spec.prompt_compressed
 
     def budget_tokens(self, private_tokens: int) -> int:
         """Budget per (layer, head) once `private_tokens` are seen."""
@@ -88,57 +83,65 @@ class CompressedRequest:
             return max(MIN_RATIO_BUDGET, math.ceil(self.spec.budget_ratio * max(private_tokens, 1)))
         return DEFAULT_BUDGET
 
-    def budget(self, num_kv_heads: int, device="cpu") -> torch.Tensor:
-        """[H] tokens per kv head, on the region's device (policies compare it with slot tensors)."""
-        return torch.full((num_kv_heads,), self.budget_tokens(self.private_seen), dtype=torch.int64, device=device)
-
-    def ceiling_pages(self, private_prompt: int, max_new_tokens: int, config: RegionConfig) -> int:
-        """Region pages the request can hold at most: its policy's peak per
-        (layer, head), in whole pages (a head takes a new page only when all
-        of its pages are full, so it never holds more than this)."""
+    def ceiling_tokens(self, private_prompt: int, max_new_tokens: int) -> int:
+        """Most private tokens one (layer, head) can hold."""
+        if not self.private_prompt_in_region:
+            private_prompt = 0
         final_budget = self.budget_tokens(private_prompt + max_new_tokens)  # budgets only grow
-        peak = self.policy.max_private_tokens(private_prompt, max_new_tokens, final_budget)
-        per_head = -(-max(peak, 1) // config.page_size)
-        return per_head * config.num_layers * config.num_kv_heads
+        return self.policy.max_private_tokens(self.params, private_prompt, max_new_tokens, final_budget)
+
+    def pages_per_head(self, private_prompt: int, max_new_tokens: int, page_size: int) -> int:
+        """The ceiling in whole pages per (layer, head)."""
+        return -(-max(self.ceiling_tokens(private_prompt, max_new_tokens), 1) // page_size)
 
 
 class KVRuntime:
     def __init__(self):
-        self.region: Optional[CompressedRegion] = None
+        self.region: Optional[PageManager] = None
         self.requests: dict[str, CompressedRequest] = {}
         self.finished: dict[str, dict] = {}  # rid -> final usage, until reported
-        self.reserved_pages = 0  # sum of the running requests' ceilings
+        #: rids whose policy needs token ids or hidden states (on_tokens).
+        self.token_observers: set[str] = set()
         #: Set when a prefill's end returned pool slots (decode_slots.py), so
         #: the scheduler retries its waiting queue before a request finishes.
         self.pool_slots_freed = False
+        #: Per req_pool row, counted by the forward: [evicted slots, eviction events].
+        self.counters: Optional[torch.Tensor] = None
+        self.overflow_flags: Optional[torch.Tensor] = None
+        self._last_refresh = 0.0
+
+    @property
+    def reserved_pages(self) -> int:
+        return sum(r.reserved_pages for r in self.requests.values())
 
     # ----- set-up, by the attention backend once the model is known ---------
     def ensure_region(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device,
-                      pool_tokens: int) -> CompressedRegion:
-        """Create the region once: KVSIEVE_REGION_SHARE (default 1.0) times the
-        bytes of SGLang's token pool (`pool_tokens` tokens), or exactly
-        KVSIEVE_REGION_PAGES pages."""
+                      pool_tokens: int, max_rows: int = 64, context_len: Optional[int] = None) -> PageManager:
+        """Create the region once, sized by memory_split (the pool/region split)."""
         if self.region is None:
             page_size = int(os.environ.get("KVSIEVE_REGION_PAGE_SIZE", "16"))
-            share = float(os.environ.get("KVSIEVE_REGION_SHARE", "1.0"))
-            pages = int(os.environ.get("KVSIEVE_REGION_PAGES", "0")) or max(
-                1, int(share * pool_tokens * num_layers * num_kv_heads / page_size))
-            self.region = CompressedRegion(RegionConfig(
+            element = torch.empty((), dtype=dtype).element_size()
+            bytes_per_page = 2 * page_size * head_dim * element
+            pages = memory_split.region_pages(pool_tokens, num_layers, num_kv_heads, page_size, bytes_per_page,
+                                              context_len)
+            self.region = PageManager(RegionConfig(
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                num_pages=pages, page_size=page_size, dtype=dtype, device=str(device)))
+                num_pages=pages, page_size=page_size, dtype=dtype, device=str(device), max_rows=max_rows))
+            self.counters = torch.zeros((max_rows, 2), dtype=torch.int64, device=device)
+            self.overflow_flags = torch.zeros(max_rows, dtype=torch.bool, device=device)
             metrics.record_region(0, pages)
-            pool_mib = pool_tokens * num_layers * num_kv_heads * 2 * head_dim * self.region.k.element_size() / 2**20
+            pool_mib = pool_tokens * num_layers * num_kv_heads * 2 * head_dim * element / 2**20
             # Warning level: SGLang's scheduler logs only warnings by default,
             # and operators need this split at start-up.
             logger.warning(
                 "kvsieve KV memory split: SGLang token pool %.1f MiB (%d tokens), compressed region "
                 "%.1f MiB (%d pages x %d slots per (layer, kv head))",
-                pool_mib, pool_tokens, pages * self.region.config.bytes_per_page / 2**20, pages, page_size)
+                pool_mib, pool_tokens, pages * bytes_per_page / 2**20, pages, page_size)
         return self.region
 
-    # ----- request lifecycle -------------------------------------------------
+    # ----- request lifecycle (scheduler hooks) ------------------------------
     def admit(self, rid: str, custom_params: Optional[dict], prompt_len: int, sgl_req=None) -> None:
-        """Scheduler hook: remember a request whose kv_policy compresses."""
+        """Remember a request whose kv_policy compresses."""
         value = (custom_params or {}).get("kv_policy")
         if value is None:
             return
@@ -148,16 +151,20 @@ class KVRuntime:
         if self.region is None:
             raise KVPolicyError("kv_policy", f"{spec.name!r} compresses, and this engine does not run "
                                              "kvsieve's attention backend")
-        policy = get_policy(spec.name)(get_policy(spec.name).Params.model_validate(spec.params))
-        self.requests[rid] = CompressedRequest(rid=rid, spec=spec, policy=policy, prompt_len=prompt_len,
-                                               sgl_req=sgl_req)
+        policy = policy_instance(spec.name)
+        params = type(policy).Params.model_validate(spec.params)
+        cfg = self.region.config
+        self.requests[rid] = CompressedRequest(
+            rid=rid, spec=spec, policy=policy, params=params, prompt_len=prompt_len, sgl_req=sgl_req,
+            state=policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads))
+        if policy.needs & (Need.TOKEN_IDS | Need.HIDDEN_STATES):
+            self.token_observers.add(rid)
 
-    # ----- region admission ---------------------------------------------------
     def exceeds_region(self, req: CompressedRequest, max_new_tokens: int) -> Optional[str]:
         """Why the request can never run (its ceiling with nothing shared
         exceeds the whole region), or None."""
         cfg = self.region.config
-        need = req.ceiling_pages(req.prompt_len, max_new_tokens, cfg)
+        need = req.pages_per_head(req.prompt_len, max_new_tokens, cfg.page_size) * cfg.heads
         if need <= cfg.num_pages:
             return None
         # Starts with the field, which the API reports as the error's param.
@@ -167,38 +174,39 @@ class KVRuntime:
                 f"has {cfg.num_pages}; lower max_tokens or the budget")
 
     def fits(self, req: CompressedRequest, private_prompt: int, max_new_tokens: int) -> bool:
-        """Whether the request's ceiling fits next to the running requests'
-        ceilings (always, once it is reserved)."""
+        """Whether the request's ceiling pages are free (always, once allocated)."""
         if req.reserved_pages:
             return True
-        need = req.ceiling_pages(private_prompt, max_new_tokens, self.region.config)
-        return self.reserved_pages + need <= self.region.config.num_pages
+        return self.region.can_allocate(req.pages_per_head(private_prompt, max_new_tokens,
+                                                           self.region.config.page_size))
 
     def reserve(self, req: CompressedRequest, private_prompt: int, max_new_tokens: int) -> None:
-        """The request was admitted: hold its ceiling until it ends."""
+        """The request was admitted: allocate its ceiling pages until it ends."""
         if req.reserved_pages:
             return
-        req.reserved_pages = req.ceiling_pages(private_prompt, max_new_tokens, self.region.config)
-        req.max_new_tokens = max_new_tokens
-        self.reserved_pages += req.reserved_pages
-        metrics.record_region_reserved(self.reserved_pages)
-
-    def shrink_reservation(self, req: CompressedRequest) -> None:
-        """After prefill the policy has cut the prompt: from here a head holds
-        at most the pages it holds now or its decode-phase peak in pages,
-        whichever is more (a head takes a page only when all of its pages are
-        full; pages are never compacted). Give the rest back to admission."""
-        if not req.reserved_pages:
-            return
         cfg = self.region.config
-        held = int(self.region.held_tokens(req.rid).max())  # private tokens kept, per (layer, head)
-        new = req.max_new_tokens
-        peak = req.policy.max_private_tokens(held, new, req.budget_tokens(req.private_seen + new))
-        per_head = self.region.pages_held(req.rid).clamp(min=-(-max(peak, 1) // cfg.page_size))
-        need = min(int(per_head.sum()), req.reserved_pages)
-        self.reserved_pages -= req.reserved_pages - need
-        req.reserved_pages = need
-        metrics.record_region_reserved(self.reserved_pages)
+        self.region.allocate(req.rid, req.pages_per_head(private_prompt, max_new_tokens, cfg.page_size))
+        req.reserved_pages = self.region.pages_of(req.rid)
+        req.max_new_tokens = max_new_tokens
+        self._record_pages()
+
+    def begin(self, req: CompressedRequest, prefix_len: int) -> None:
+        """Its first forward (step_meta): `prefix_len` tokens are read from
+        the token pool, the rest of its private tokens from the region."""
+        req.prefix_len = prefix_len
+
+    def after_prefill(self, req: CompressedRequest) -> None:
+        """Its prompt was selected and compacted in the forward: from here a
+        head holds at most the decode-phase ceiling; give the rest back."""
+        if not req.reserved_pages or not req.private_prompt_in_region:
+            return
+        private = req.prompt_len - req.prefix_len
+        budget = req.budget_tokens(private + req.max_new_tokens)
+        kept = req.policy.kept_after_prefill(req.params, private, req.budget_tokens(private))
+        peak = req.policy.max_private_tokens(req.params, kept, req.max_new_tokens, budget)
+        self.region.shrink(req.rid, -(-max(peak, kept + 1, 1) // self.region.config.page_size))
+        req.reserved_pages = self.region.pages_of(req.rid)
+        self._record_pages()
 
     def forget_unadmitted(self, rids) -> None:
         """Drop requests aborted before admission: they hold nothing."""
@@ -206,69 +214,121 @@ class KVRuntime:
             req = self.requests.get(rid)
             if req is not None and not req.reserved_pages and req.prefix_len < 0:
                 del self.requests[rid]
+                self.token_observers.discard(rid)
 
     def overflow(self, req: CompressedRequest) -> None:
-        """The region is full: free this request's pages now and end it with
-        a 503 (retry later). Other requests keep running untouched.
-
-        Cannot happen while every request stays within its reserved ceiling;
-        it keeps the engine alive if a policy breaks its own ceiling."""
+        """A head ran out of slots: end this request with a 503 (retry later).
+        Other requests keep running untouched. Cannot happen while every
+        policy stays within its own ceiling."""
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.overflowed = True
+        logger.error("kvsieve: request %s (%s) outgrew its compressed ceiling; ending it", req.rid, req.spec.name)
         if req.sgl_req is not None:
             req.sgl_req.to_finish = FINISH_ABORT(
                 "kvsieve compressed region is full; retry later", HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable")
-        self.region.end(req.rid)
-        self.region.begin(req.rid)  # empty again, so end() stays uniform
-        metrics.record_region(self.region.pages_used, self.region.pages_free)
-
-    def begin(self, req: CompressedRequest, prefix_len: int) -> None:
-        req.prefix_len = prefix_len
-        cfg = self.region.config
-        req.policy.on_request_begin(cfg.num_layers, cfg.num_kv_heads)
-        self.region.begin(req.rid)
-
-    def report(self, req: CompressedRequest) -> None:
-        """Refresh the region gauges after a step of `req` (all layers done)."""
-        held = int(self.region.held_tokens(req.rid).sum())
-        heads = self.region.config.num_layers * self.region.config.num_kv_heads
-        tokens, size = held // heads, held * self.region.config.bytes_per_page // self.region.config.page_size
-        metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
-        metrics.RETAINED_BYTES.labels(req.spec.name).inc(size - req.reported_bytes)
-        req.reported_tokens, req.reported_bytes = tokens, size
-        metrics.record_region(self.region.pages_used, self.region.pages_free)
 
     def end(self, rid: str) -> None:
         """Scheduler hook (release_kv_cache): return the request's pages, keep its usage."""
         req = self.requests.pop(rid, None)
+        self.token_observers.discard(rid)
         if req is None:
             return
-        if req.reserved_pages:
-            self.reserved_pages -= req.reserved_pages
-            metrics.record_region_reserved(self.reserved_pages)
         if self.region is not None and req.prefix_len >= 0:
-            cfg = self.region.config
-            held = int(self.region.held_tokens(rid).sum())
-            heads = cfg.num_layers * cfg.num_kv_heads
-            self.finished[rid] = {
-                "retained_tokens": held // heads,
-                "evicted_tokens": req.evicted // heads,
-                "eviction_events": req.eviction_events,
-                "retained_kv_bytes": held * cfg.bytes_per_page // cfg.page_size,
-            }
-            self.region.end(rid)
-            metrics.EVICTED_TOKENS.labels(req.spec.name).inc(req.evicted // heads)
-            metrics.EVICTION_EVENTS.labels(req.spec.name).inc(req.eviction_events)
+            usage = self._usage(req)
+            self.finished[rid] = usage
+            metrics.EVICTED_TOKENS.labels(req.spec.name).inc(usage["evicted_tokens"])
+            metrics.EVICTION_EVENTS.labels(req.spec.name).inc(usage["eviction_events"])
             metrics.RETAINED_TOKENS.labels(req.spec.name).dec(req.reported_tokens)
             metrics.RETAINED_BYTES.labels(req.spec.name).dec(req.reported_bytes)
-            metrics.record_region(self.region.pages_used, self.region.pages_free)
-        req.policy.on_request_end()
+        if self.region is not None:
+            self.region.free(rid)
+            self._record_pages()
+        if req.state is not None:
+            req.policy.end_request(req.state)
 
     def pop_usage(self, rid: str) -> Optional[dict]:
         return self.finished.pop(rid, None)
+
+    # ----- what the forward counts (device) ----------------------------------
+    def reset_counters(self, row: int) -> None:
+        self.counters[row] = 0
+        self.overflow_flags[row] = False
+
+    def count_evictions(self, rows: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Inside the forward: add a layer's evicted slots per row."""
+        self.counters[rows, 0] += evicted
+        self.counters[rows, 1] += (evicted > 0).long()
+
+    def flag_overflow(self, rows: torch.Tensor, no_room: torch.Tensor) -> None:
+        """Inside the forward: rows that found no free slot for their new token."""
+        self.overflow_flags[rows] |= no_room
+
+    def _held(self, rids: list[str]) -> list[int]:
+        """Retained tokens summed over (layer, head), per request (one sync)."""
+        region = self.region
+        counts = []
+        for rid in rids:
+            pages = region._owned[rid].pages
+            counts.append(region.valid[pages[pages != region.null_page].to(region.valid.device)].sum())
+        return torch.stack(counts).tolist() if counts else []
+
+    def _usage(self, req: CompressedRequest) -> dict:
+        cfg = self.region.config
+        row = self.region.row_of(req.rid)
+        held = self._held([req.rid])[0] if self.region.owns(req.rid) else 0
+        evicted, events = self.counters[row].tolist() if row >= 0 else (0, 0)
+        # A prompt kept in the radix cache is retained whole.
+        kept_prompt = 0 if req.private_prompt_in_region else req.prompt_len - max(req.radix_hit, 0)
+        return {
+            "retained_tokens": held // cfg.heads + kept_prompt,
+            "evicted_tokens": evicted // cfg.heads,
+            "eviction_events": events,
+            "retained_kv_bytes": held * cfg.bytes_per_page // cfg.page_size,
+        }
+
+    def after_step(self, force: bool = False) -> None:
+        """Host side, before a step's metadata: at most once a second, end
+        requests that overflowed and refresh the retained-KV gauges."""
+        now = time.monotonic()
+        if self.region is None or (not force and now - self._last_refresh < REFRESH_INTERVAL_S):
+            return
+        self._last_refresh = now
+        live = [r for r in self.requests.values() if self.region.row_of(r.rid) >= 0 and not r.overflowed]
+        if not live:
+            return
+        rows = torch.tensor([self.region.row_of(r.rid) for r in live], device=self.overflow_flags.device)
+        flags = self.overflow_flags[rows].tolist()
+        cfg = self.region.config
+        for req, held, overflowed in zip(live, self._held([r.rid for r in live]), flags):
+            if overflowed:
+                self.overflow(req)
+            tokens, size = held // cfg.heads, held * cfg.bytes_per_page // cfg.page_size
+            metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
+            metrics.RETAINED_BYTES.labels(req.spec.name).inc(size - req.reported_bytes)
+            req.reported_tokens, req.reported_bytes = tokens, size
+
+    def _record_pages(self) -> None:
+        metrics.record_region(self.region.pages_used, self.region.pages_free)
+        metrics.record_region_reserved(self.region.pages_used)
+
+    # ----- token observations (host, once per forward) -------------------------
+    def observe_tokens(self, forward_batch, input_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Hand policies that asked for them the token ids and last-layer
+        hidden states of their private tokens in this forward."""
+        extend = forward_batch.forward_mode.is_extend()
+        lengths = forward_batch.extend_seq_lens_cpu if extend else [1] * len(forward_batch.rids)
+        start = 0
+        for rid, n in zip(forward_batch.rids, lengths):
+            req = self.requests.get(rid)
+            if rid in self.token_observers and req is not None and not req.overflowed:
+                rows = slice(start, start + n)
+                wants_hidden = bool(req.policy.needs & Need.HIDDEN_STATES)
+                req.policy.on_tokens(req.state, forward_batch.positions[rows], input_ids[rows],
+                                     hidden[rows] if wants_hidden else None)
+            start += n
 
 
 RUNTIME = KVRuntime()

@@ -37,14 +37,13 @@ class EngineSettings:
             enable_metrics=True,
             sampling_backend="pytorch",
         )
+        # kvsieve's backend on both: SGLang's own backend (torch_native on CPU,
+        # triton on GPU) for uncompressed rows, the compressed region for the
+        # others. CUDA graphs stay on for batches without compressed rows.
         if self.device == "cpu":
-            # SGLang's CPU engine with its pure-PyTorch attention; CUDA graphs
-            # do not exist there.
-            # kvsieve's backend: SGLang's torch_native path for uncompressed
-            # rows, the compressed region for the others.
             kwargs.update(device="cpu", attention_backend="kvsieve", disable_cuda_graph=True)
         else:
-            kwargs.update(device="cuda", attention_backend="triton")
+            kwargs.update(device="cuda", attention_backend="kvsieve")
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None:
@@ -69,16 +68,14 @@ def prepare_process_environment(device: str) -> None:
 class EngineClient:
     """Thin async facade over sglang.Engine for the HTTP layer."""
 
-    #: Policies this engine runs: on CPU the kvsieve attention backend serves
-    #: every registered policy; on GPU its Triton path is not built yet, so
-    #: only SGLang's own path is served there and other names are refused by
-    #: name instead of silently running as `full`.
+    #: Policies this engine runs: the kvsieve attention backend serves every
+    #: registered policy, on CPU and on GPU.
 
     def __init__(self, settings: EngineSettings):
         import sglang
 
         self.settings = settings
-        self.served_policies = frozenset(policy_names()) if settings.device == "cpu" else frozenset({"full"})
+        self.served_policies = frozenset(policy_names())
         self._engine = sglang.Engine(**settings.engine_kwargs())
         info = self._engine.tokenizer_manager
         self.context_length: int = info.context_len

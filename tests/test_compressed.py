@@ -41,7 +41,7 @@ def test_budget_above_the_length_equals_full(llama_server, policy):
     # A fresh prompt per policy, compressed run first: its whole prompt is
     # private (in the region), then `full` on the same prompt.
     prompt = [7 + WIRED.index(policy), 300, 12, 44, 150, 23, 9, 81, 200, 5, 61, 17]
-    compressed = complete(llama_server, prompt, {"name": policy, "budget": 256})
+    compressed = complete(llama_server, prompt, {"name": policy, "budget": 256, "compress_prompt": True})
     full = complete(llama_server, prompt, "full")
     assert compressed["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
     kv = compressed["kv_usage"]
@@ -52,12 +52,37 @@ def test_budget_above_the_length_equals_full(llama_server, policy):
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "longflow"])
 def test_small_budget_holds_the_budget(llama_server, policy):
     prompt = [90 + WIRED.index(policy), 31, 32, 33, 34]
-    out = complete(llama_server, prompt, {"name": policy, "budget": 8}, max_tokens=40)
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True}, max_tokens=40)
     kv = out["kv_usage"]
     assert kv["retained_tokens"] == 8
     assert kv["evicted_tokens"] == len(prompt) + 40 - 8
     assert kv["eviction_events"] > 0
     assert metric(llama_server, "kvsieve_evicted_tokens_total", policy=policy) >= kv["evicted_tokens"]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "longflow"])
+def test_a_kept_prompt_is_whole_and_generated_tokens_hold_the_budget(llama_server, policy):
+    prompt = [70 + WIRED.index(policy), 31, 32, 33, 34, 35]
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": False}, max_tokens=40)
+    kv = out["kv_usage"]
+    assert kv["retained_tokens"] == len(prompt) + 8  # the prompt in the radix cache, 8 generated in the region
+    assert kv["evicted_tokens"] == 40 - 8
+
+
+def test_compressed_requests_share_a_kept_system_prompt(llama_server):
+    # Two decode-phase requests (compress_prompt off by default) with one long
+    # system prompt: the first inserts it into the radix tree, the second reads it.
+    system = list(range(300, 364))
+    first = complete(llama_server, system + [1, 2], {"name": "h2o", "budget": 8})
+    second = complete(llama_server, system + [3, 4], {"name": "streaming", "budget": 8})
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system)
+    assert second["kv_usage"]["prefix_cache_hit_tokens"] >= len(system)
+    # With the prompt compressed, nothing is shared.
+    third = complete(llama_server, list(range(200, 264)) + [1], {"name": "h2o", "budget": 8, "compress_prompt": True})
+    fourth = complete(llama_server, list(range(200, 264)) + [2], {"name": "h2o", "budget": 8})
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fourth["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_snapkv_selects_at_prefill_only(llama_server):
@@ -132,7 +157,7 @@ def test_every_region_page_returns_after_200_mixed_requests(llama_server):
 
 def test_compressed_tokens_never_enter_the_radix_tree(llama_server):
     prompt = [340, 341, 342, 343, 344, 345, 346, 347, 348, 349, 350, 351]
-    complete(llama_server, prompt, {"name": "h2o", "budget": 256})
+    complete(llama_server, prompt, {"name": "h2o", "budget": 256, "compress_prompt": True})
     after_compressed = complete(llama_server, prompt, "full")
     assert after_compressed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     after_full = complete(llama_server, prompt, "full")

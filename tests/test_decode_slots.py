@@ -8,7 +8,7 @@ from types import SimpleNamespace
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from kvsieve.radix_ext.decode_slots import decode_growth_without_compressed, retract_uncompressed_first  # noqa: E402
-from kvsieve.radix_ext.region import CompressedRegion, RegionConfig  # noqa: E402
+from kvsieve.radix_ext.pages import PageManager, RegionConfig  # noqa: E402
 from kvsieve.radix_ext.runtime import RUNTIME  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def test_only_uncompressed_rows_need_a_pool_slot():
         return len(batch.reqs)
 
     # Compressing requests are admitted only where the backend made a region.
-    RUNTIME.region = CompressedRegion(RegionConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=4))
+    RUNTIME.region = PageManager(RegionConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=4))
     RUNTIME.admit("c1", {"kv_policy": {"name": "h2o", "budget": 8}}, prompt_len=4)
     RUNTIME.admit("c2", {"kv_policy": {"name": "streaming", "budget": 8}}, prompt_len=4)
     try:
@@ -48,7 +48,7 @@ def test_only_uncompressed_rows_need_a_pool_slot():
 
 
 def test_uncompressed_requests_are_retracted_first():
-    RUNTIME.region = CompressedRegion(RegionConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=4))
+    RUNTIME.region = PageManager(RegionConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=4))
     RUNTIME.admit("c1", {"kv_policy": {"name": "h2o", "budget": 8}}, prompt_len=4)
     RUNTIME.admit("c2", {"kv_policy": {"name": "streaming", "budget": 8}}, prompt_len=4)
     try:

@@ -1,41 +1,42 @@
 """Each wired policy, step by step on random observations, retains exactly
-the tokens its plain-Python reference (tests/policy_reference.py) retains."""
+the tokens its plain-Python reference (tests/policy_reference.py) retains.
+Every test runs several rows with different budgets and parameters through
+one batched call, as the engine does, and checks each row on its own."""
 
 import pytest
 import torch
 
 import policy_reference as ref
-from kvsieve.policies import LayerObservations, LayerView, get_policy
+from kvsieve.policies import Observations, PolicyBatch, SlotView, get_policy
 
 H, S = 3, 48  # kv heads, slots per head
 
 
-def empty_view():
-    return LayerView(
-        valid=torch.zeros(H, S, dtype=torch.bool),
-        position=torch.full((H, S), -1, dtype=torch.int64),
-        score=torch.zeros(H, S),
-        last_hit=torch.zeros(H, S, dtype=torch.int32),
+def empty_view(rows):
+    return SlotView(
+        valid=torch.zeros(rows, H, S, dtype=torch.bool),
+        position=torch.full((rows, H, S), -1, dtype=torch.int64),
+        score=torch.zeros(rows, H, S),
+        last_hit=torch.zeros(rows, H, S, dtype=torch.int32),
     )
 
 
 def store(view, pos):
-    """Store token `pos` in each head's first free slot (as the region does)."""
-    slot = (~view.valid).int().argmax(dim=1)
-    rows = torch.arange(H)
-    view.valid[rows, slot] = True
-    view.position[rows, slot] = pos
-    view.score[rows, slot] = 0.0
+    """Store token `pos` in each (row, head)'s first free slot (as the region does)."""
+    slot = (~view.valid).int().argmax(dim=-1, keepdim=True)
+    view.valid.scatter_(-1, slot, True)
+    view.position.scatter_(-1, slot, pos)
+    view.score.scatter_(-1, slot, 0.0)
 
 
 def per_slot(view, table):
-    """Observation [H, S] from values per (head, position)."""
+    """Observation [R, H, S] from values per (row, head, position)."""
     pos = view.position.clamp(min=0)
-    return torch.where(view.valid, table.gather(1, pos), torch.zeros(()))
+    return torch.where(view.valid, table.gather(-1, pos), torch.zeros(()))
 
 
-def held_positions(view, h):
-    return set(view.position[h][view.valid[h]].tolist())
+def held_positions(view, r, h):
+    return set(view.position[r, h][view.valid[r, h]].tolist())
 
 
 def apply(view, evict):
@@ -44,101 +45,125 @@ def apply(view, evict):
         view.position[~view.valid] = -1
 
 
-@pytest.mark.parametrize("budget, sinks", [(8, 4), (5, 2), (16, 0)])
-def test_streaming_matches_reference(budget, sinks):
-    policy = get_policy("streaming")(get_policy("streaming").Params(sinks=sinks))
-    view = empty_view()
-    b = torch.full((H,), budget)
+def batch_of(name, params, budgets, step=0):
+    cls = get_policy(name)
+    rows = [cls.Params(**p) for p in params]
+    tensors, maxima = cls.batch_params(rows)
+    budget = torch.tensor(budgets).unsqueeze(1).expand(-1, H)
+    return cls(), PolicyBatch(layer=0, budget=budget, step=torch.full((len(rows),), step), params=tensors,
+                              maxima=maxima)
+
+
+def test_streaming_matches_reference_per_row():
+    cases = [(8, 4), (5, 2), (16, 0)]  # (budget, sinks) of each row
+    policy, batch = batch_of("streaming", [{"sinks": s} for _, s in cases], [b for b, _ in cases])
+    view = empty_view(len(cases))
     for step in range(40):
         store(view, step)
-        apply(view, policy.on_decode_step(step, 0, view, LayerObservations(), b))
-        expected = ref.streaming_keep(list(range(step + 1)), budget, sinks)
-        for h in range(H):
-            assert held_positions(view, h) == expected
+        apply(view, policy.select_decode(batch, view, Observations()))
+        for r, (budget, sinks) in enumerate(cases):
+            expected = ref.streaming_keep(list(range(step + 1)), budget, sinks)
+            for h in range(H):
+                assert held_positions(view, r, h) == expected
 
 
-@pytest.mark.parametrize("budget", [6, 9, 16])
-def test_h2o_matches_reference(budget):
-    gen = torch.Generator().manual_seed(budget)
-    policy = get_policy("h2o")()
-    view = empty_view()
-    b = torch.full((H,), budget)
-    scores = [dict() for _ in range(H)]
+def test_h2o_matches_reference_per_row():
+    budgets = [6, 9, 16]
+    gen = torch.Generator().manual_seed(1)
+    policy, batch = batch_of("h2o", [{}] * len(budgets), budgets)
+    view = empty_view(len(budgets))
+    scores = [[dict() for _ in range(H)] for _ in budgets]
     for step in range(40):
         store(view, step)
-        table = torch.rand(H, 64, generator=gen)
-        for h in range(H):
-            scores[h][step] = 0.0
-            for p in scores[h]:
-                scores[h][p] += float(table[h, p])
-        apply(view, policy.on_decode_step(step, 0, view, LayerObservations(attention=per_slot(view, table)), b))
-        for h in range(H):
-            keep = ref.h2o_keep(scores[h], budget)
-            scores[h] = {p: s for p, s in scores[h].items() if p in keep}
-            assert held_positions(view, h) == keep, (step, h)
+        table = torch.rand(len(budgets), H, 64, generator=gen)
+        for r in range(len(budgets)):
+            for h in range(H):
+                scores[r][h][step] = 0.0
+                for p in scores[r][h]:
+                    scores[r][h][p] += float(table[r, h, p])
+        apply(view, policy.select_decode(batch, view, Observations(attention=per_slot(view, table))))
+        for r, budget in enumerate(budgets):
+            for h in range(H):
+                keep = ref.h2o_keep(scores[r][h], budget)
+                scores[r][h] = {p: s for p, s in scores[r][h].items() if p in keep}
+                assert held_positions(view, r, h) == keep, (step, r, h)
 
 
-@pytest.mark.parametrize("budget, window, kernel", [(8, 4, 7), (10, 32, 3), (3, 2, 1)])
-def test_snapkv_matches_reference(budget, window, kernel):
-    gen = torch.Generator().manual_seed(window)
-    cls = get_policy("snapkv")
-    policy = cls(cls.Params(window=window, kernel=kernel))
-    view = empty_view()
+def test_snapkv_matches_reference_per_row():
+    cases = [(8, 4, 7), (10, 32, 3), (3, 2, 1)]  # (budget, window, kernel) of each row
+    gen = torch.Generator().manual_seed(2)
+    policy, batch = batch_of("snapkv", [{"window": w, "kernel": k} for _, w, k in cases], [b for b, _, _ in cases])
+    view = empty_view(len(cases))
     for p in range(40):
         store(view, p)
-    table = torch.rand(H, 64, generator=gen)
-    evict = policy.on_prefill_end(0, view, LayerObservations(attention=per_slot(view, table)), torch.full((H,), budget))
-    apply(view, evict)
-    for h in range(H):
-        attention = {p: float(table[h, p]) for p in range(40)}
-        assert held_positions(view, h) == ref.snapkv_keep(attention, budget, window, kernel)
+    table = torch.rand(len(cases), H, 64, generator=gen)
+    apply(view, policy.select_prefill(batch, view, Observations(attention=per_slot(view, table))))
+    for r, (budget, window, kernel) in enumerate(cases):
+        for h in range(H):
+            attention = {p: float(table[r, h, p]) for p in range(40)}
+            assert held_positions(view, r, h) == ref.snapkv_keep(attention, budget, window, kernel)
     # No eviction while decoding.
-    assert policy.on_decode_step(40, 0, view, LayerObservations(), torch.full((H,), budget)) is None
+    assert policy.select_decode(batch, view, Observations()) is None
 
 
-@pytest.mark.parametrize("budget", [4, 11])
-def test_longflow_matches_reference(budget):
-    gen = torch.Generator().manual_seed(budget)
-    policy = get_policy("longflow")()
-    policy.on_request_begin(1, H)
-    view = empty_view()
-    b = torch.full((H,), budget)
-    held = set()
+def test_longflow_matches_reference_per_row():
+    budgets = [4, 11]
+    gen = torch.Generator().manual_seed(3)
+    policy, batch = batch_of("longflow", [{}] * len(budgets), budgets)
+    view = empty_view(len(budgets))
+    held = [set() for _ in budgets]
     for step in range(40):
         store(view, step)
-        held.add(step)
-        table = torch.rand(H, 64, generator=gen)
-        evict = policy.on_decode_step(step, 0, view, LayerObservations(pv_norm=per_slot(view, table)), b)
+        table = torch.rand(len(budgets), H, 64, generator=gen)
+        evict = policy.select_decode(batch, view, Observations(pv_norm=per_slot(view, table)))
         # Layer-wide: the same slot in every head, and at most one per step.
-        assert evict.sum(dim=1).tolist() in ([0] * H, [1] * H)
-        assert (evict == evict[0]).all()
+        assert all(evict[r].sum(dim=-1).tolist() in ([0] * H, [1] * H) for r in range(len(budgets)))
+        assert (evict == evict[:, :1]).all()
         apply(view, evict)
-        victim = ref.longflow_evict({p: float(table[:, p].sum()) for p in held}, budget, newest=step)
-        if victim is not None:
-            held.discard(victim)
-        for h in range(H):
-            assert held_positions(view, h) == held
-    assert len(held) == budget
+        for r, budget in enumerate(budgets):
+            held[r].add(step)
+            victim = ref.longflow_evict({p: float(table[r, :, p].sum()) for p in held[r]}, budget, newest=step)
+            if victim is not None:
+                held[r].discard(victim)
+            for h in range(H):
+                assert held_positions(view, r, h) == held[r]
+    assert [len(h) for h in held] == budgets
 
 
-@pytest.mark.parametrize("budget", [6, 20, 36])
-def test_longflow_prefill_cuts_to_the_budget_layer_wide(budget):
-    gen = torch.Generator().manual_seed(budget)
-    policy = get_policy("longflow")()
-    policy.on_request_begin(1, H)
-    view = empty_view()
+def test_longflow_prefill_cuts_to_the_budget_layer_wide():
+    budgets = [6, 20, 36]
+    gen = torch.Generator().manual_seed(4)
+    policy, batch = batch_of("longflow", [{}] * len(budgets), budgets)
+    view = empty_view(len(budgets))
     for p in range(40):
         store(view, p)
-    table = torch.rand(H, 64, generator=gen)
-    apply(view, policy.on_prefill_end(0, view, LayerObservations(attention=per_slot(view, table)),
-                                      torch.full((H,), budget)))
-    window = min(32, budget)  # snapkv's default window, counted inside the budget
-    summed = {p: float(table[:, p].sum()) for p in range(40)}
-    expected = ref.snapkv_keep(summed, budget - window, window, 7)
-    assert len(expected) == budget
-    for h in range(H):
-        assert held_positions(view, h) == expected
-    assert (view.position == view.position[0]).all()  # the same token in the same slot of every head
+    table = torch.rand(len(budgets), H, 64, generator=gen)
+    apply(view, policy.select_prefill(batch, view, Observations(attention=per_slot(view, table))))
+    for r, budget in enumerate(budgets):
+        window = min(32, budget)  # snapkv's default window, counted inside the budget
+        summed = {p: float(table[r, :, p].sum()) for p in range(40)}
+        expected = ref.snapkv_keep(summed, budget - window, window, 7)
+        assert len(expected) == budget
+        for h in range(H):
+            assert held_positions(view, r, h) == expected
+    assert (view.position == view.position[:, :1]).all()  # the same token in the same slot of every head
+
+
+def test_rows_of_a_batch_do_not_see_each_other():
+    # The same row alone and beside others gets the same decision.
+    gen = torch.Generator().manual_seed(5)
+    policy, batch = batch_of("h2o", [{}] * 4, [5, 7, 5, 9])
+    view = empty_view(4)
+    for p in range(12):
+        store(view, p)
+    attention = per_slot(view, torch.rand(4, H, 64, generator=gen))
+    together = policy.select_decode(batch, SlotView(view.valid.clone(), view.position.clone(), view.score.clone(),
+                                                    view.last_hit.clone()), Observations(attention=attention))
+    _, solo_batch = batch_of("h2o", [{}], [5])
+    solo_view = SlotView(view.valid[2:3].clone(), view.position[2:3].clone(), view.score[2:3].clone(),
+                         view.last_hit[2:3].clone())
+    solo = policy.select_decode(solo_batch, solo_view, Observations(attention=attention[2:3]))
+    assert torch.equal(together[2:3], solo)
 
 
 @pytest.mark.parametrize("name, private, new, budget, peak", [
@@ -151,7 +176,8 @@ def test_longflow_prefill_cuts_to_the_budget_layer_wide(budget):
     ("snapkv", 100, 80, 16, 128),
 ])
 def test_compressed_ceiling_bounds_what_a_head_can_hold(name, private, new, budget, peak):
-    assert get_policy(name)().max_private_tokens(private, new, budget) == peak
+    cls = get_policy(name)
+    assert cls().max_private_tokens(cls.Params(), private, new, budget) == peak
 
 
 def test_policy_params_are_validated():
@@ -165,3 +191,16 @@ def test_policy_params_are_validated():
     assert info.value.field == "kv_policy.params.sinks"
     spec = parse_kv_policy({"name": "h2o", "budget": 64})
     assert spec.to_custom_params() == {"name": "h2o", "budget": 64, "params": {}}
+    with pytest.raises(KVPolicyError) as info:
+        parse_kv_policy({"name": "full", "compress_prompt": True})
+    assert info.value.field == "kv_policy.compress_prompt"
+
+
+def test_compress_prompt_defaults_per_policy():
+    from kvsieve.policies import parse_kv_policy
+
+    assert parse_kv_policy({"name": "snapkv"}).prompt_compressed
+    assert parse_kv_policy({"name": "longflow"}).prompt_compressed
+    assert not parse_kv_policy({"name": "h2o"}).prompt_compressed
+    assert not parse_kv_policy({"name": "streaming"}).prompt_compressed
+    assert parse_kv_policy({"name": "h2o", "compress_prompt": True}).prompt_compressed

@@ -20,7 +20,7 @@ class RecordingPolicy(Policy):
     needs = Need.TOKEN_IDS | Need.HIDDEN_STATES
     description = "Test policy: records token ids and hidden states; evicts nothing."
 
-    def on_tokens(self, positions, token_ids, hidden_states):
-        with open(self.params.out, "a") as f:
+    def on_tokens(self, state, positions, token_ids, hidden_states):
+        with open(state.params.out, "a") as f:
             for pos, tok, hidden in zip(positions.tolist(), token_ids.tolist(), hidden_states.float().tolist()):
                 f.write(json.dumps({"position": pos, "token": tok, "hidden": hidden}) + "\n")

@@ -1,0 +1,71 @@
+"""The split of SGLang's KV memory between its token pool and the compressed
+region.
+
+On CUDA the region is carved out of SGLang's own KV budget (what
+--mem-fraction-static leaves after the weights): KVSIEVE_REGION_FRACTION
+(default 0.5) of it goes to the region, the rest to the token pool. On CPU,
+where the pool is sized by --max-total-tokens, the region is
+KVSIEVE_REGION_SHARE (default 1.0) times the pool's bytes, or exactly
+KVSIEVE_REGION_PAGES pages on either device. A split that cannot serve fails
+at start-up with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+FRACTION_ENV = "KVSIEVE_REGION_FRACTION"
+DEFAULT_FRACTION = 0.5
+
+#: Bytes reserved for the region by the carve, set in the scheduler process
+#: before the token pool is allocated; None where nothing was carved.
+carved_bytes: Optional[int] = None
+
+
+def region_fraction() -> float:
+    raw = os.environ.get(FRACTION_ENV, str(DEFAULT_FRACTION))
+    try:
+        fraction = float(raw)
+    except ValueError:
+        raise ValueError(f"{FRACTION_ENV}={raw!r}: must be a number in (0, 1)") from None
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"{FRACTION_ENV}={raw}: must be in (0, 1): the share of SGLang's KV memory "
+                         "(--mem-fraction-static) given to the compressed region; the rest is the token pool")
+    return fraction
+
+
+def carve_region(original, configurator, *args, **kwargs) -> int:
+    """AROUND KVCacheConfigurator._profile_available_bytes: the token pool
+    gets (1 - fraction) of SGLang's KV budget; the region the rest."""
+    global carved_bytes
+    available = original(configurator, *args, **kwargs)
+    server_args = configurator.server_args
+    if server_args.attention_backend != "kvsieve" or str(server_args.device) != "cuda" \
+            or os.environ.get("KVSIEVE_REGION_PAGES"):
+        return available
+    fraction = region_fraction()
+    carved_bytes = int(available * fraction)
+    return available - carved_bytes
+
+
+def region_pages(pool_tokens: int, num_layers: int, num_kv_heads: int, page_size: int, bytes_per_page: int,
+                 context_len: Optional[int] = None) -> int:
+    """Pages of the region for this process; raises naming the setting when
+    the split leaves either side unable to serve one request."""
+    fixed = int(os.environ.get("KVSIEVE_REGION_PAGES", "0"))
+    if fixed:
+        pages, setting = fixed, "KVSIEVE_REGION_PAGES"
+    elif carved_bytes is not None:
+        pages, setting = carved_bytes // bytes_per_page, FRACTION_ENV
+        if context_len is not None and pool_tokens < min(context_len, 4096):
+            raise ValueError(f"{FRACTION_ENV}={region_fraction()}: leaves the token pool {pool_tokens} tokens, "
+                             f"less than one {min(context_len, 4096)}-token request; lower it or raise "
+                             "--mem-fraction-static")
+    else:
+        share = float(os.environ.get("KVSIEVE_REGION_SHARE", "1.0"))
+        pages, setting = int(share * pool_tokens * num_layers * num_kv_heads / page_size), "KVSIEVE_REGION_SHARE"
+    if pages < num_layers * num_kv_heads:
+        raise ValueError(f"{setting}: the compressed region would have {pages} pages, fewer than one page per "
+                         f"(layer, kv head) ({num_layers * num_kv_heads}); no compressed request could run")
+    return pages

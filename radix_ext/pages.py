@@ -1,0 +1,239 @@
+"""The compressed region's page manager: pages per (request, layer, kv_head).
+
+SGLang's token pool stores all layers and heads of a token in one slot, so a
+per-head eviction there frees nothing. Here every (request, layer, kv_head)
+owns its own pages, so per-head and per-layer budgets move real memory.
+
+Two sides, as in vLLM v1's KV-cache manager and nano-vllm's block manager:
+
+* Host (scheduler side, plain ints): the free list. A compressed request's
+  ceiling pages are taken at admission (`allocate`), returned at finish,
+  abort and retraction (`free`), trimmed once its prefill selection ran
+  (`shrink`), and may move between heads of one request (`move_pages`).
+  Nothing here waits for the device.
+* Device (read by the forward): K/V and per-slot state of every page, and the
+  page table `table[req_pool_idx, layer, head, column]` (the null page where
+  a head has no page). Host decisions reach the table through `flush()`, which
+  the attention backend calls once per step before the forward (on the
+  forward's stream, so it is ordered after every earlier forward). The
+  forward never allocates: a new token goes to the first free slot of the
+  pages its head already owns.
+
+Slot s of a (request, layer, head) is page table[..., s // page_size], offset
+s % page_size; the null page is never valid, so every row presents an
+[H, columns x page_size] slot grid to attention and to the policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RegionFull(RuntimeError):
+    """No free page: admission should have prevented this."""
+
+
+@dataclass(frozen=True)
+class RegionConfig:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int = 16
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    #: Rows of the page table: SGLang's req_to_token rows (max running requests).
+    max_rows: int = 64
+
+    @property
+    def bytes_per_page(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.page_size * self.head_dim * element
+
+    @property
+    def heads(self) -> int:
+        """(layer, kv head) pairs of one request."""
+        return self.num_layers * self.num_kv_heads
+
+
+@dataclass
+class _Owned:
+    """The pages one request owns: [layers, heads, columns] on the host."""
+
+    pages: torch.Tensor  # int64, CPU; the null page where a head has fewer pages
+    row: int = -1  # req_pool_idx once bound; -1 before its first forward
+    count: int = 0  # real pages
+
+
+@dataclass
+class _Pending:
+    """Host decisions not yet written to the device (flush())."""
+
+    clear_rows: list = field(default_factory=list)  # table rows to reset to null
+    bind: list = field(default_factory=list)  # (row, pages [L, H, C], clear) to write (and clear)
+    null_entries: list = field(default_factory=list)  # (row, column_start): trimmed columns
+
+
+class PageManager:
+    def __init__(self, config: RegionConfig):
+        c = self.config = config
+        n = c.num_pages + 1  # the last page is the null page: never valid
+        self.null_page = c.num_pages
+        self.k = torch.zeros(n, c.page_size, c.head_dim, dtype=c.dtype, device=c.device)
+        self.v = torch.zeros_like(self.k)
+        self.valid = torch.zeros(n, c.page_size, dtype=torch.bool, device=c.device)
+        self.position = torch.full((n, c.page_size), -1, dtype=torch.int64, device=c.device)
+        self.score = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
+        self.last_hit = torch.zeros(n, c.page_size, dtype=torch.int32, device=c.device)
+        #: Attention each slot received from the observed prompt queries,
+        #: summed over prefill chunks until the prefill selection reads it.
+        self.prefill_attention = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
+        self.table = torch.full((c.max_rows, c.num_layers, c.num_kv_heads, 1), self.null_page,
+                                dtype=torch.int64, device=c.device)
+        self._free: list[int] = list(range(c.num_pages - 1, -1, -1))
+        self._owned: dict[str, _Owned] = {}
+        self._pending = _Pending()
+
+    # ----- accounting (host) ----------------------------------------------
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.config.num_pages - len(self._free)
+
+    def pages_of(self, rid: str) -> int:
+        owned = self._owned.get(rid)
+        return 0 if owned is None else owned.count
+
+    def columns_of(self, rid: str) -> int:
+        """Pages per (layer, head) the request owns (the widest head)."""
+        return self._owned[rid].pages.shape[2]
+
+    def owns(self, rid: str) -> bool:
+        return rid in self._owned
+
+    def can_allocate(self, pages_per_head: int) -> bool:
+        return pages_per_head * self.config.heads <= len(self._free)
+
+    # ----- lifecycle (host) -----------------------------------------------
+    def allocate(self, rid: str, pages_per_head: int) -> None:
+        """Take `pages_per_head` pages for every (layer, head) of a request."""
+        if rid in self._owned:
+            raise KeyError(f"request {rid} already owns region pages")
+        c = self.config
+        need = pages_per_head * c.heads
+        if need > len(self._free):
+            raise RegionFull(f"compressed region has {len(self._free)} free pages, {need} needed")
+        taken = self._free[len(self._free) - need:]
+        del self._free[len(self._free) - need:]
+        pages = torch.tensor(taken, dtype=torch.int64).view(c.num_layers, c.num_kv_heads, pages_per_head)
+        self._owned[rid] = _Owned(pages, count=need)
+
+    def bind(self, rid: str, row: int) -> None:
+        """The request got its req_pool row: its pages enter the device table
+        (and are cleared) at the next flush."""
+        owned = self._owned[rid]
+        if owned.row == row:
+            return
+        if owned.row >= 0:
+            self._pending.clear_rows.append(owned.row)
+        owned.row = row
+        self._pending.bind.append((row, owned.pages, True))
+
+    def row_of(self, rid: str) -> int:
+        owned = self._owned.get(rid)
+        return -1 if owned is None else owned.row
+
+    def free(self, rid: str) -> int:
+        """Return every page of a request; the number returned."""
+        owned = self._owned.pop(rid, None)
+        if owned is None:
+            return 0
+        if owned.row >= 0:
+            self._pending.clear_rows.append(owned.row)
+            # An earlier bind of this row must not resurrect the freed pages.
+            self._pending.bind = [b for b in self._pending.bind if b[0] != owned.row]
+            self._pending.null_entries = [e for e in self._pending.null_entries if e[0] != owned.row]
+        self._free.extend(owned.pages[owned.pages != self.null_page].tolist())
+        return owned.count
+
+    def shrink(self, rid: str, pages_per_head: int) -> int:
+        """Keep only the first `pages_per_head` columns of every head (the
+        caller guarantees the rest hold no token); the pages freed."""
+        owned = self._owned[rid]
+        if pages_per_head >= owned.pages.shape[2]:
+            return 0
+        dropped = owned.pages[:, :, pages_per_head:]
+        freed = dropped[dropped != self.null_page].tolist()
+        owned.pages = owned.pages[:, :, :pages_per_head].clone()
+        if owned.row >= 0:
+            self._pending.null_entries.append((owned.row, pages_per_head))
+        self._free.extend(freed)
+        owned.count -= len(freed)
+        return len(freed)
+
+    def move_pages(self, rid: str, layer: int, src_head: int, dst_head: int, count: int) -> None:
+        """Give `count` of src_head's last pages to dst_head (adaptive budgets:
+        a policy shifts memory between heads of one request between steps).
+        The caller guarantees those pages hold no token of src_head."""
+        owned = self._owned[rid]
+        pages = owned.pages
+        src = pages[layer, src_head]
+        real = int((src != self.null_page).sum())
+        if count > real:
+            raise ValueError(f"head {src_head} of layer {layer} owns {real} pages, cannot give {count}")
+        moving = src[real - count:real].clone()
+        dst_real = int((pages[layer, dst_head] != self.null_page).sum())
+        width = max(pages.shape[2], dst_real + count)
+        if width > pages.shape[2]:
+            pad = torch.full((*pages.shape[:2], width - pages.shape[2]), self.null_page, dtype=pages.dtype)
+            pages = torch.cat([pages, pad], dim=2)
+        pages[layer, src_head, real - count:real] = self.null_page
+        pages[layer, dst_head, dst_real:dst_real + count] = moving
+        owned.pages = pages
+        if owned.row >= 0:
+            self._pending.bind.append((owned.row, pages, False))  # tokens stay where they are
+
+    # ----- device side ----------------------------------------------------
+    def flush(self) -> None:
+        """Write pending host decisions to the device table. Called once per
+        step by the attention backend, before the forward."""
+        p = self._pending
+        if not (p.clear_rows or p.bind or p.null_entries):
+            return
+        if p.clear_rows:
+            self.table[torch.tensor(p.clear_rows, device=self.table.device)] = self.null_page
+        for row, start in p.null_entries:
+            self.table[row, :, :, start:] = self.null_page
+        for row, pages, clear in p.bind:
+            self._ensure_width(pages.shape[2])
+            device_pages = pages.to(self.table.device)
+            self.table[row] = self.null_page
+            self.table[row, :, :, :pages.shape[2]] = device_pages
+            if clear:
+                self._clear_pages(device_pages.flatten())
+        self._pending = _Pending()
+
+    def _ensure_width(self, columns: int) -> None:
+        """Widen the table (rare: a request wider than any before)."""
+        have = self.table.shape[3]
+        if columns > have:
+            pad = torch.full((*self.table.shape[:3], columns - have), self.null_page,
+                             dtype=self.table.dtype, device=self.table.device)
+            self.table = torch.cat([self.table, pad], dim=3)
+
+    def _clear_pages(self, pages: torch.Tensor) -> None:
+        pages = pages[pages != self.null_page]
+        self.valid[pages] = False
+        self.position[pages] = -1
+        self.score[pages] = 0.0
+        self.last_hit[pages] = 0
+        self.prefill_attention[pages] = 0.0
+
+    def width_of(self, rids) -> int:
+        """Columns that cover every head of these requests (host)."""
+        return max((self._owned[r].pages.shape[2] for r in rids if r in self._owned), default=1)

@@ -1,0 +1,321 @@
+"""Once per step, on the host: the tensors the batched compressed forward
+reads in every layer.
+
+The attention backend builds a StepMeta in init_forward_metadata, before the
+forward. Everything that needs the host (request lookups, prefix lengths,
+budgets, policy parameters, which rows end their prompt) is decided here,
+once; the per-layer forward (backend.py) is tensor calls only, with no loop
+over rows and no host-device sync.
+
+Rows of a batch split three ways:
+* region rows: compressed requests whose private tokens live in the region
+  (decode, or an extend of a prompt the policy compresses);
+* pool rows: everything else (`full` requests, and the prompt of a
+  compressed request whose prompt stays in the radix cache) run SGLang's
+  own backend on their subset (`sub_batch`);
+* rows of requests being aborted for a full region get zeros.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvsieve.policies import Need, Policy, PolicyBatch
+
+from .runtime import RUNTIME, CompressedRequest
+
+#: Prompt queries whose attention scores the prompt at prefill end when a
+#: policy names no window (snapkv's default).
+DEFAULT_OBSERVATION_WINDOW = 32
+
+
+@dataclass
+class PolicyGroup:
+    """The rows of one policy class in this step: one batched call per layer."""
+
+    policy: Policy
+    rows: torch.Tensor  # [Rg] indices into the step's region rows
+    budget: torch.Tensor  # [Rg] int64 tokens per (layer, head)
+    step: torch.Tensor  # [Rg] int64
+    params: dict  # name -> [Rg] tensor
+    maxima: dict  # name -> host max
+
+    def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
+        budget = self.budget.unsqueeze(1).expand(-1, num_kv_heads)
+        return PolicyBatch(layer=layer, budget=budget, step=self.step, params=self.params, maxima=self.maxima)
+
+
+@dataclass
+class RegionRows:
+    """Region rows of the step, in batch order."""
+
+    requests: list  # CompressedRequest, host side only
+    batch_index: torch.Tensor  # [R] rows of the ForwardBatch
+    pool_rows: torch.Tensor  # [R] req_pool_idx (page table and req_to_token rows)
+    tables: torch.Tensor  # [R, L, H, M] page table of the rows
+    prefix_slots: torch.Tensor  # [R, P] token-pool slots of the shared prefix (0: padding)
+    prefix_mask: torch.Tensor  # [R, P] True where the row has a prefix token
+    groups: list  # PolicyGroup per policy class present
+    needs: Need  # observations any group asked for
+    keeps_state: bool  # whether any group updates score / last_hit
+    positions: Optional[torch.Tensor] = None  # [R] position of the decode token
+
+
+@dataclass
+class ExtendRows:
+    """Token layout of the region rows' prompt chunks (extend only)."""
+
+    token_index: torch.Tensor  # [N] tokens of the batch that go to the region
+    token_row: torch.Tensor  # [N] their region row
+    token_col: torch.Tensor  # [N] their place in the row's chunk (0..T-1)
+    token_slot: torch.Tensor  # [N] the region slot each token takes (sequential in prefill)
+    query_pos: torch.Tensor  # [R, T] position of each padded query (-1: padding)
+    observe: torch.Tensor  # [R, T] queries whose attention the prefill selection reads
+    max_len: int  # T
+    ending: torch.Tensor  # [E] region rows whose private prompt ends in this step
+    ending_groups: list  # PolicyGroup per policy class, rows indexing `ending`
+
+
+@dataclass
+class StepMeta:
+    region: Optional[RegionRows]
+    extend: Optional[ExtendRows]
+    pool_batch_index: Optional[torch.Tensor]  # rows running SGLang's backend
+    pool_token_index: Optional[torch.Tensor]  # their tokens (extend)
+    pool_batch: object  # the ForwardBatch of those rows (a sub-batch, or the whole one)
+    zero_batch_index: Optional[torch.Tensor] = None  # rows being aborted (outputs unused)
+    zero_token_index: Optional[torch.Tensor] = None
+    counters: dict = field(default_factory=dict)
+
+
+def _long(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def sub_batch(forward_batch, rows: list[int], token_rows: Optional[list[int]], device):
+    """A shallow copy of the ForwardBatch restricted to `rows` (and, in an
+    extend, their tokens `token_rows`), for SGLang's own backend."""
+    fb = copy.copy(forward_batch)
+    idx = _long(rows, device)
+    fb.batch_size = len(rows)
+    fb.req_pool_indices = forward_batch.req_pool_indices[idx]
+    fb.seq_lens = forward_batch.seq_lens[idx]
+    if forward_batch.seq_lens_cpu is not None:
+        fb.seq_lens_cpu = forward_batch.seq_lens_cpu[torch.tensor(rows, dtype=torch.int64)]
+        fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
+    fb.rids = [forward_batch.rids[i] for i in rows]
+    if forward_batch.forward_mode.is_extend():
+        tokens = _long(token_rows, device)
+        fb.out_cache_loc = forward_batch.out_cache_loc[tokens]
+        fb.positions = forward_batch.positions[tokens]
+        fb.extend_seq_lens = forward_batch.extend_seq_lens[idx]
+        fb.extend_prefix_lens = forward_batch.extend_prefix_lens[idx]
+        fb.extend_seq_lens_cpu = [forward_batch.extend_seq_lens_cpu[i] for i in rows]
+        fb.extend_prefix_lens_cpu = [forward_batch.extend_prefix_lens_cpu[i] for i in rows]
+        fb.extend_num_tokens = len(token_rows)
+        if forward_batch.extend_start_loc is not None:
+            starts = torch.cumsum(fb.extend_seq_lens, dim=0) - fb.extend_seq_lens
+            fb.extend_start_loc = starts.to(forward_batch.extend_start_loc.dtype)
+    else:
+        fb.out_cache_loc = forward_batch.out_cache_loc[idx]
+        fb.positions = forward_batch.positions[idx]
+    return fb
+
+
+class StepBuilder:
+    """Builds StepMeta for the kvsieve backend (one per backend)."""
+
+    def __init__(self, pages, req_to_token: torch.Tensor, device):
+        self.pages = pages
+        self.req_to_token = req_to_token
+        self.device = device
+
+    # ----- policy groups ----------------------------------------------------
+    def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
+                budgets: list[int]) -> list[PolicyGroup]:
+        by_class: dict[type, list[int]] = {}
+        for r in rows:
+            by_class.setdefault(type(requests[r].policy), []).append(r)
+        groups = []
+        for cls, members in by_class.items():
+            policy = requests[members[0]].policy
+            params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
+            groups.append(PolicyGroup(
+                policy=policy,
+                rows=_long(members, self.device),
+                budget=_long([budgets[r] for r in members], self.device),
+                step=_long([steps[r] for r in members], self.device),
+                params=params, maxima=maxima))
+        return groups
+
+    def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets) -> RegionRows:
+        dev = self.device
+        pool_rows_t = _long(pool_rows, dev)
+        width = self.pages.width_of([r.rid for r in requests])
+        tables = self.pages.table[pool_rows_t, :, :, :width]
+        P = max(prefix_lens)
+        if P:
+            cols = torch.arange(P, device=dev)
+            prefix_mask = cols.unsqueeze(0) < _long(prefix_lens, dev).unsqueeze(1)
+            prefix_slots = torch.where(prefix_mask, self.req_to_token[pool_rows_t, :P].long(),
+                                       torch.zeros((), dtype=torch.int64, device=dev))
+        else:
+            prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
+            prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
+        groups = self._groups(requests, list(range(len(requests))), steps, budgets)
+        needs = Need.NONE
+        for g in groups:
+            needs |= g.policy.needs
+        return RegionRows(
+            requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
+            prefix_slots=prefix_slots, prefix_mask=prefix_mask, groups=groups, needs=needs,
+            keeps_state=any(g.policy.keeps_slot_state for g in groups))
+
+    # ----- the step ---------------------------------------------------------
+    def build(self, forward_batch) -> Optional[StepMeta]:
+        """None when no row of the batch is a compressed request in the region."""
+        if not RUNTIME.requests or forward_batch.forward_mode.is_idle():
+            return None
+        rids = forward_batch.rids
+        if rids is None:
+            return None
+        if forward_batch.forward_mode.is_decode():
+            return self._build_decode(forward_batch)
+        if forward_batch.forward_mode.is_extend():
+            return self._build_extend(forward_batch)
+        return None
+
+    def _build_decode(self, fb) -> Optional[StepMeta]:
+        region, pool, zero = [], [], []
+        for i, rid in enumerate(fb.rids):
+            req = RUNTIME.requests.get(rid)
+            if req is None:
+                pool.append(i)
+            elif req.overflowed:
+                zero.append(i)
+            elif req.prefix_len < 0:
+                # Its prefill never ran through this backend: the shared
+                # prefix it would read is unknown. Fail loudly, not with zeros.
+                raise RuntimeError(f"kvsieve: compressed request {rid} decodes before its prefill was seen")
+            else:
+                region.append(i)
+        if not region and not zero:
+            return None
+        seq_lens = fb.seq_lens_cpu.tolist()
+        requests = [RUNTIME.requests[fb.rids[i]] for i in region]
+        pool_rows = self._pool_rows(fb, requests, region)
+        steps, budgets = [], []
+        for req, i in zip(requests, region):
+            self._bind(req, pool_rows[len(steps)])
+            steps.append(seq_lens[i] - 1 - req.prompt_len)
+            req.private_seen += 1  # this step's token, counted before the budget (budget_ratio)
+            budgets.append(req.budget_tokens(req.private_seen))
+        self.pages.flush()
+        rows = None
+        if region:
+            rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests], steps, budgets)
+            rows.positions = fb.positions[rows.batch_index]
+        return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
+
+    def _build_extend(self, fb) -> Optional[StepMeta]:
+        region, pool, zero = [], [], []
+        for i, rid in enumerate(fb.rids):
+            req = RUNTIME.requests.get(rid)
+            if req is None:
+                pool.append(i)
+            elif req.overflowed:
+                zero.append(i)
+            elif not req.spec.prompt_compressed:
+                # Its prompt stays in the radix cache: SGLang's path, in full.
+                pool.append(i)
+                if req.radix_hit < 0:
+                    req.radix_hit = fb.extend_prefix_lens_cpu[i]
+                if fb.extend_prefix_lens_cpu[i] + fb.extend_seq_lens_cpu[i] >= req.prompt_len:
+                    # From its first decode step on, the prompt is its shared prefix.
+                    self._begin(req, req.prompt_len)
+            else:
+                region.append(i)
+        if not region and not zero:
+            return None
+        starts = [0]
+        for n in fb.extend_seq_lens_cpu:
+            starts.append(starts[-1] + n)
+        requests = [RUNTIME.requests[fb.rids[i]] for i in region]
+        pool_rows = self._pool_rows(fb, requests, region)
+        token_index, token_row, token_col, token_slot = [], [], [], []
+        lengths, query_starts, ending, budgets, windows = [], [], [], [], []
+        for r, (req, i) in enumerate(zip(requests, region)):
+            prefix, n = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
+            if req.prefix_len < 0:
+                req.radix_hit = prefix
+                self._begin(req, prefix)
+            self._bind(req, pool_rows[r])
+            first_slot = prefix - req.prefix_len  # earlier chunks' private tokens
+            token_index.extend(range(starts[i], starts[i] + n))
+            token_row.extend([r] * n)
+            token_col.extend(range(n))
+            token_slot.extend(range(first_slot, first_slot + n))
+            lengths.append(n)
+            query_starts.append(prefix)
+            req.private_seen = first_slot + n
+            if prefix + n >= req.prompt_len:
+                ending.append(r)
+            # The budget counts every private token of the prompt, the last chunk's too.
+            budgets.append(req.budget_tokens(req.private_seen))
+            windows.append(getattr(req.params, "window", DEFAULT_OBSERVATION_WINDOW))
+        self.pages.flush()
+        dev = self.device
+        rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests],
+                                 [0] * len(requests), budgets)
+        T = max(lengths)
+        col = torch.arange(T, device=dev).unsqueeze(0)
+        lengths_t = _long(lengths, dev).unsqueeze(1)
+        query_pos = torch.where(col < lengths_t, _long(query_starts, dev).unsqueeze(1) + col,
+                                torch.full((), -1, dtype=torch.int64, device=dev))
+        prompt_lens = _long([r.prompt_len for r in requests], dev).unsqueeze(1)
+        observe = (query_pos >= prompt_lens - _long(windows, dev).unsqueeze(1)) & (query_pos >= 0)
+        ending_groups = self._groups(requests, ending, [0] * len(requests), budgets)
+        for g in ending_groups:  # rows of a group index `ending`, not the region rows
+            g.rows = _long([ending.index(int(r)) for r in g.rows.tolist()], dev)
+        extend = ExtendRows(
+            token_index=_long(token_index, dev), token_row=_long(token_row, dev), token_col=_long(token_col, dev),
+            token_slot=_long(token_slot, dev), query_pos=query_pos, observe=observe, max_len=T,
+            ending=_long(ending, dev), ending_groups=ending_groups)
+        pool_tokens = [t for i in pool for t in range(starts[i], starts[i + 1])]
+        zero_tokens = [t for i in zero for t in range(starts[i], starts[i + 1])]
+        return self._meta(fb, rows, extend, pool, zero, pool_tokens, zero_tokens)
+
+    def _meta(self, fb, rows, extend, pool, zero, pool_tokens, zero_tokens) -> StepMeta:
+        dev = self.device
+        meta = StepMeta(region=rows, extend=extend, pool_batch_index=None, pool_token_index=None, pool_batch=None)
+        if pool:
+            meta.pool_batch_index = _long(pool, dev)
+            meta.pool_token_index = _long(pool_tokens, dev) if pool_tokens is not None else meta.pool_batch_index
+            meta.pool_batch = sub_batch(fb, pool, pool_tokens, dev)
+        if zero:
+            meta.zero_batch_index = _long(zero, dev)
+            meta.zero_token_index = _long(zero_tokens, dev) if zero_tokens is not None else meta.zero_batch_index
+        return meta
+
+    @staticmethod
+    def _pool_rows(fb, requests, region) -> list[int]:
+        """req_pool_idx of the rows, from SGLang's Req on the host (the
+        ForwardBatch has them only on the device)."""
+        rows = [getattr(r.sgl_req, "req_pool_idx", None) for r in requests]
+        if any(row is None for row in rows):
+            rows = [int(x) for x in fb.req_pool_indices.cpu()[torch.tensor(region)].tolist()]
+        return rows
+
+    # ----- request transitions (host, in forward order) ----------------------
+    def _begin(self, req: CompressedRequest, prefix_len: int) -> None:
+        if req.prefix_len < 0:
+            RUNTIME.begin(req, prefix_len)
+
+    def _bind(self, req: CompressedRequest, pool_row: int) -> None:
+        if self.pages.row_of(req.rid) != pool_row:
+            self.pages.bind(req.rid, pool_row)
+            RUNTIME.reset_counters(pool_row)
