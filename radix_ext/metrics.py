@@ -75,3 +75,15 @@ def record_region_reserved(pages: int) -> None:
 def record_region(pages_used: int, pages_free: int) -> None:
     REGION_PAGES.labels("used").set(pages_used)
     REGION_PAGES.labels("free").set(pages_free)
+
+
+COMPRESSED_REQUESTS_LIVE = Gauge(
+    "kvsieve_compressed_requests_live",
+    "Compressed requests the scheduler holds state for (queued or running); 0 when idle.",
+    multiprocess_mode="livesum",
+    registry=None,
+)
+
+
+def record_compressed_requests_live(count: int) -> None:
+    COMPRESSED_REQUESTS_LIVE.set(count)

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from . import admission, metrics
+from . import admission, lifecycle, memory_split, metrics, startup_checks
 from .decode_slots import (
     alloc_for_decode_skipping_compressed,
     decode_growth_without_compressed,
@@ -42,6 +42,16 @@ _PREPARE_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepa
 _DECODE_GROWTH_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.new_tokens_required_next_decode"
 _RETRACTION_ORDER_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 _SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
+_PROFILE_KV_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+_DECODE_GRAPH_TARGET = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph")
+_PREFILL_GRAPH_TARGET = (
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph")
+_SCHED = "sglang.srt.managers.scheduler.Scheduler."
+
+#: (target, hook) of every hook registered here, checked at start-up
+#: (startup_checks.check_hooks_applied).
+REGISTERED: list[tuple[str, object]] = []
 
 
 def report_kv_usage(result, processor, i, req, logits_output):
@@ -70,19 +80,33 @@ def report_kv_usage(result, processor, i, req, logits_output):
 
 def keep_chunk_progress(original, req, tree_cache, *args, **kwargs):
     """AROUND hook on maybe_cache_unfinished_req, which SGLang calls after a
-    middle prefill chunk (chunked=True) and after the last one. With
-    skip_radix_cache_insert SGLang skips it entirely; for compressed requests
-    a middle chunk advances req.prefix_indices over the request's own slots,
-    as SGLang's ChunkCache does, without inserting, and the last chunk frees
-    the private prompt's pool slots (the region holds those tokens)."""
-    if getattr(req, "skip_radix_cache_insert", False) and req.rid in RUNTIME.requests:
+    middle prefill chunk (chunked=True) and after the last one.
+
+    A compressed prompt (skip_radix_cache_insert): a middle chunk advances
+    req.prefix_indices over the request's own slots, as SGLang's ChunkCache
+    does, without inserting; the last chunk frees the private prompt's pool
+    slots (the region holds what the policy kept) and trims the request's
+    region pages to its decode-phase ceiling.
+
+    A prompt the request keeps: SGLang inserts it into the radix tree as for
+    any request, so later requests of any policy share it; after the last
+    chunk nothing more of the request enters the tree (its generated tokens
+    live in the region)."""
+    compressed = RUNTIME.requests.get(req.rid)
+    if compressed is None:
+        return original(req, tree_cache, *args, **kwargs)
+    if getattr(req, "skip_radix_cache_insert", False):
         if kwargs.get("chunked"):
             slots = tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
             req.prefix_indices = slots.to(dtype=torch.int64, copy=True)
         else:
             free_private_prompt_slots(req, tree_cache)
+            RUNTIME.after_prefill(compressed)
         return None
-    return original(req, tree_cache, *args, **kwargs)
+    result = original(req, tree_cache, *args, **kwargs)
+    if not kwargs.get("chunked"):
+        req.skip_radix_cache_insert = True
+    return result
 
 
 def retry_prefill_after_freed_slots(scheduler, running_batch=None, *args, **kwargs):
@@ -93,6 +117,7 @@ def retry_prefill_after_freed_slots(scheduler, running_batch=None, *args, **kwar
     if RUNTIME.pool_slots_freed and running_batch is not None:
         running_batch.batch_is_full = False
         RUNTIME.pool_slots_freed = False
+    lifecycle.publish_live()  # an int compare unless the count changed
 
 
 def release_region(original, req, tree_cache, *args, **kwargs):
@@ -103,8 +128,19 @@ def release_region(original, req, tree_cache, *args, **kwargs):
         return original(req, tree_cache, *args, **kwargs)
     finally:
         RUNTIME.end(req.rid)
+        lifecycle.publish_live()
         allocator = tree_cache.token_to_kv_pool_allocator
         metrics.record_token_pool(allocator.available_size(), tree_cache.evictable_size(), allocator.size)
+
+
+def graphs_skip_compressed_batches(original, runner, forward_batch, *args, **kwargs):
+    """AROUND the CUDA-graph runners' can_run_graph: a batch with compressed
+    rows runs eagerly (their per-step metadata is not captured yet); batches
+    of `full` requests keep SGLang's graphs."""
+    rids = getattr(forward_batch, "rids", None)
+    if RUNTIME.requests and rids and any(rid in RUNTIME.requests for rid in rids):
+        return False
+    return original(runner, forward_batch, *args, **kwargs)
 
 
 def backend_supports_triton(original, backend: str) -> bool:
@@ -117,6 +153,13 @@ def backend_supports_triton(original, backend: str) -> bool:
     return original(backend)
 
 
+def check_at_scheduler_start(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler.init_model_config, in the scheduler process, after
+    SGLang applied every hook and before the model loads."""
+    startup_checks.check_scheduler_start(scheduler, REGISTERED)
+    return result
+
+
 def register() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -127,7 +170,17 @@ def register() -> None:
         # only the scheduler process loads.
         from .backend import KvsieveAttnBackend
 
+        # Again here: this runs even if the init_model_config hook did not apply.
+        startup_checks.check_hooks_applied(REGISTERED)
+        startup_checks.check_settings(model_runner.server_args, model_runner.model_config)
+        startup_checks.check_sliding_window_layers(model_runner.model)
         return KvsieveAttnBackend(model_runner)
+
+    class HookRegistry(HookRegistry):  # noqa: F811 - records what it registers, for the start-up check
+        @classmethod
+        def register(cls, target, hook, hook_type):
+            REGISTERED.append((target, hook))
+            super().register(target, hook, hook_type)
 
     from kvsieve.policies import load_policy_modules
 
@@ -135,7 +188,7 @@ def register() -> None:
     register_attention_backend("kvsieve")(create_backend)
     add_attention_backend_choices(["kvsieve"])
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)
-    HookRegistry.register(_ADMIT_TARGET, admission.add_request_to_queue, HookType.BEFORE)
+    HookRegistry.register(_ADMIT_TARGET, admission.add_request_to_queue, HookType.AROUND)
     HookRegistry.register(_INIT_MAX_NEW_TARGET, admission.init_max_new_tokens, HookType.AROUND)
     HookRegistry.register(_ADDER + "add_one_req", admission.add_one_req_by_ceiling, HookType.AROUND)
     HookRegistry.register(_ADDER + "add_chunked_req", admission.add_chunked_req_reserving_prompt_only,
@@ -151,4 +204,13 @@ def register() -> None:
     HookRegistry.register(_DECODE_GROWTH_TARGET, decode_growth_without_compressed, HookType.AROUND)
     HookRegistry.register(_RETRACTION_ORDER_TARGET, retract_uncompressed_first, HookType.AROUND)
     HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
+    HookRegistry.register(_PROFILE_KV_TARGET, memory_split.carve_region, HookType.AROUND)
+    HookRegistry.register(_DECODE_GRAPH_TARGET, graphs_skip_compressed_batches, HookType.AROUND)
+    HookRegistry.register(_PREFILL_GRAPH_TARGET, graphs_skip_compressed_batches, HookType.AROUND)
+    # Requests SGLang drops before they run (lifecycle.py).
+    HookRegistry.register(_SCHED + "_set_or_validate_priority", lifecycle.forget_if_priority_refused, HookType.AFTER)
+    HookRegistry.register(_SCHED + "_abort_on_queued_limit", lifecycle.forget_if_queue_limit_refused,
+                          HookType.AROUND)
+    HookRegistry.register(_SCHED + "_abort_on_waiting_timeout", lifecycle.forget_timed_out, HookType.AROUND)
+    HookRegistry.register(_SCHED + "init_model_config", check_at_scheduler_start, HookType.AFTER)
     logger.info("kvsieve plugin registered: attention backend 'kvsieve', kv_usage reporting")
