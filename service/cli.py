@@ -136,10 +136,10 @@ def _open_store(args):
 
 
 def _presets(args) -> int:
-    from .presets import validate_presets
-
     store = _open_store(args)
     if args.action == "set":
+        from .presets import validate_presets  # imports the policies (and torch): only here
+
         try:
             value = json.loads(args.kv_policy)
             validate_presets({args.name: value})

@@ -97,3 +97,135 @@ def qwen3_server(tiny_qwen3, tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("logs"), "--model", str(tiny_qwen3))
     yield server
     server.stop()
+
+
+# ----- scale-out (issue #11): a real redis-server, and a guarded server -----
+
+@dataclass
+class RedisServer:
+    """A redis-server of the test's own (Debian package), restartable on the
+    same port to test outages."""
+
+    port: int
+    workdir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.1)
+        raise TimeoutError("redis-server did not come up")
+
+    def stop(self) -> None:
+        """Shut down, saving the data set to disk: a restart finds it again,
+        as a production Redis with persistence would."""
+        import redis
+
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                redis.Redis(port=self.port, socket_timeout=5).shutdown(save=True)
+            except redis.ConnectionError:
+                pass  # the connection drops as the server exits
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(free_port(), tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def session_redis(tmp_path_factory):
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def kvsieve_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([KVSIEVE, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@dataclass
+class GuardedServer:
+    server: Server
+    redis: RedisServer
+    env: dict
+    key: str  # an API key with a generous rate limit
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def headers(self, key: str | None = None) -> dict:
+        return {"Authorization": f"Bearer {key or self.key}"}
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tiny_llama, session_redis, tmp_path_factory):
+    """`kvsieve serve` (one process) with API keys on, presets and keys in a
+    real Redis, and small caps (settings from a YAML file and the environment)."""
+    workdir = tmp_path_factory.mktemp("guarded")
+    config = workdir / "kvsieve.yaml"
+    config.write_text(
+        "auth:\n  enabled: true\n"
+        "limits:\n  max_tokens: 16\n  max_prompt_tokens: 256\n  max_kv_budget: 512\n"
+        "  max_body_bytes: 65536\n  request_timeout_s: 60\n"
+        "store:\n  refresh_interval_s: 0.2\n  timeout_s: 0.3\n"
+    )
+    env = {"KVSIEVE_STORE__URL": session_redis.url, "KVSIEVE_CONFIG": str(config)}
+    created = kvsieve_cli("keys", "create", "fuzzer", "--rate", "1000", "--burst", "1000", env=env)
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    server = start_keyed_server(workdir, key, "--model", str(tiny_llama), "--config", str(config), env=env)
+    yield GuardedServer(server, session_redis, env, key)
+    server.stop()
+
+
+def start_keyed_server(log_dir: Path, key: str, *args: str, timeout: float = 600, env: dict | None = None) -> Server:
+    """start_server for a server that wants an API key on /v1/*."""
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    proc = subprocess.Popen(
+        [KVSIEVE, "serve", "--port", str(port), "--log-level", "warning", *args],
+        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvsieve serve exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+                return Server(proc, url, models.json()["data"][0]["id"], log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"kvsieve serve did not come up:\n{log_path.read_text()}")
