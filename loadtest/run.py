@@ -1,0 +1,164 @@
+"""Headless load-test run against a kvsieve server.
+
+    .venv/bin/python loadtest/run.py --host http://127.0.0.1:8000 --users 20 --run-time 60s --out OUT
+
+Writes to OUT: locust's CSVs (locust_*.csv) and HTML report (report.html),
+the request log (requests.jsonl), summary.json and summary.md (by policy:
+TTFT, TPOT, throughput, errors; plus the server's KV state after the run),
+run.json (machine, date, command) and, with --plot, a PNG over time.
+
+After locust stops (in-flight requests are cut off, as clients going away),
+the runner waits up to --drain-timeout seconds for the server to free every
+KV page, then reads its /metrics. Exit status 1 when any request got a 5xx or
+no answer, or KV memory stayed held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from summary import read_log, summarize, to_markdown  # noqa: E402
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = None
+    try:
+        kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+        mem_gib = round(kb / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    return {"host": platform.node(), "os": platform.platform(), "python": platform.python_version(),
+            "cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib}
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def scrape(host: str) -> dict[str, float]:
+    """/metrics as {'name{label="v",...}': value} for kvsieve_* and sglang:* gauges we report."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{host}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def kv_state(metrics: dict[str, float]) -> dict:
+    def total(prefix: str) -> float:
+        return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+    return {
+        "region_pages_used": total('kvsieve_region_pages{state="used"'),
+        "region_pages_free": total('kvsieve_region_pages{state="free"'),
+        "region_reserved_pages": total("kvsieve_region_reserved_pages{"),
+        "token_pool_in_use": total('kvsieve_token_pool_tokens{state="in_use"'),
+        "kv_tokens_in_use": total("kvsieve_kv_tokens_in_use{"),
+        "retained_kv_tokens": total("kvsieve_retained_kv_tokens{"),
+        "running_requests": total("sglang:num_running_reqs{"),
+    }
+
+
+def kv_idle(state: dict) -> bool:
+    return all(state[k] == 0 for k in ("region_pages_used", "region_reserved_pages", "token_pool_in_use",
+                                       "kv_tokens_in_use", "retained_kv_tokens", "running_requests"))
+
+
+def wait_for_idle(host: str, timeout: float) -> tuple[dict, float]:
+    start = time.monotonic()
+    while True:
+        state = kv_state(scrape(host))
+        waited = time.monotonic() - start
+        if kv_idle(state) or waited > timeout:
+            return state, round(waited, 1)
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="headless kvsieve load test (locust)")
+    ap.add_argument("--host", required=True, help="kvsieve base URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--users", type=int, default=20)
+    ap.add_argument("--spawn-rate", type=float, default=5)
+    ap.add_argument("--run-time", default="60s", help="locust's --run-time (60s, 5m)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--kv-policies", default="", help='policy mix, e.g. "full=2,h2o=1" (default: all)')
+    ap.add_argument("--short-tokens", type=int, default=32)
+    ap.add_argument("--long-tokens", type=int, default=256)
+    ap.add_argument("--burst-size", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drain-timeout", type=float, default=60.0)
+    ap.add_argument("--plot", type=Path, help="also write a PNG of TPOT and throughput by policy over time")
+    ap.add_argument("--note", default="", help="free text kept in run.json (server settings, model)")
+    args = ap.parse_args(argv)
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "requests.jsonl"
+    log_path.unlink(missing_ok=True)
+    started = dt.datetime.now(dt.timezone.utc)
+    run_info = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, "loadtest/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        "git_commit": git_commit(),
+        "machine": machine(),
+        "note": args.note,
+        "server": {"models": json.loads(urllib.request.urlopen(f"{args.host}/v1/models", timeout=10).read())["data"]},
+    }
+    (out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+
+    locust = [
+        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
+        "--host", args.host, "--users", str(args.users), "--spawn-rate", str(args.spawn_rate),
+        "--run-time", args.run_time, "--csv", str(out / "locust"), "--html", str(out / "report.html"),
+        "--only-summary", "--loglevel", "WARNING",
+        "--kv-policies", args.kv_policies, "--request-log", str(log_path),
+        "--short-tokens", str(args.short_tokens), "--long-tokens", str(args.long_tokens),
+        "--burst-size", str(args.burst_size), "--seed", str(args.seed),
+    ]
+    proc = subprocess.run(locust, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)})
+
+    state, waited = wait_for_idle(args.host, args.drain_timeout)
+    summary = summarize(read_log(log_path))
+    summary.update(locust_exit_code=proc.returncode, kv_after_run=state, kv_idle_after_s=waited,
+                   kv_idle=kv_idle(state))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(to_markdown(summary))
+    if args.plot:
+        from plot import plot
+
+        plot(read_log(log_path), args.plot, title=f"kvsieve load test, {args.users} users, {args.run_time}")
+    print(to_markdown(summary))
+    print(f"KV after the run: {json.dumps(state)} (idle after {waited} s)")
+    total = summary["total"]
+    failed = total.get("5xx", 0) or total.get("transport_errors", 0) or not summary["kv_idle"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
