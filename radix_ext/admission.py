@@ -85,7 +85,7 @@ def init_max_new_tokens(original, scheduler, req, *args, **kwargs):
         too_big = RUNTIME.exceeds_region(RUNTIME.requests[req.rid], params.max_new_tokens)
         if too_big:
             # It would wait forever; SGLang then ends it after a one-token prefill.
-            del RUNTIME.requests[req.rid]
+            lifecycle.forget([req.rid])
             req.set_finish_with_abort(too_big)
     lifecycle.publish_live()
     return result

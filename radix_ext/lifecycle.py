@@ -36,10 +36,15 @@ def publish_live() -> None:
 
 
 def forget(rids) -> None:
-    """Drop entries of requests that left before admission (no pages held)."""
-    rids = [rid for rid in rids if rid in RUNTIME.requests]
-    if rids:
-        RUNTIME.forget_unadmitted(rids)
+    """End the entries of requests that left before admission (no pages, no
+    forward yet), through RUNTIME.end so the policy's end_request runs too."""
+    dropped = False
+    for rid in rids:
+        entry = RUNTIME.requests.get(rid)
+        if entry is not None and not entry.reserved_pages and entry.prefix_len < 0:
+            RUNTIME.end(rid)
+            dropped = True
+    if dropped:
         publish_live()
 
 
