@@ -1,14 +1,16 @@
 """GPU benchmark of the batched compressed path (PyTorch reference, no CUDA
 graphs), run through the device tool in one call (see ../shared/gpu/README.md):
 
-    python bench/gpu_batched.py bench/models/r1-distill-qwen-7b OUT_DIR
+    python bench/gpu_batched.py bench/models/r1-distill-qwen-7b OUT_DIR [--profiles-only]
 
 R1-Distill-Qwen-7B architecture with dummy weights, 128-token prompts, a
 batch of 64 requests generating 256 tokens each. Measures tokens/s of
 vanilla SGLang (triton), kvsieve `full` and each served policy; counts CUDA
 kernel launches and host syncs per decode step with SGLang's torch profiler;
 checks on the GPU that a budget covering the generation equals `full` token
-for token and that a mixed batch equals its solo runs. Writes OUT_DIR/gpu-batched.json.
+for token and that a mixed batch equals its solo runs. Writes
+OUT_DIR/gpu-batched.json (with --profiles-only: the profiles and checks only,
+each engine profiled before it serves anything else).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ PROMPT = 128
 GEN = 256
 BUDGET = 64
 PROFILE_STEPS = 8
+REPEATS = 3  # runs of `full` on each engine (medians compared: single runs vary by tens of percent)
 POLICIES = ["streaming", "h2o", "snapkv", "longflow"]
 
 LAUNCH_EVENTS = {"cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"}
@@ -76,7 +79,10 @@ def count_profile(trace_dir: str) -> dict:
 
 def profiled(engine, policy, seed) -> dict:
     trace_dir = tempfile.mkdtemp(prefix="kvsieve-prof-")
-    engine.start_profile(output_dir=trace_dir, num_steps=PROFILE_STEPS, activities=["CPU", "GPU"],
+    # CUDA activity only: it records the runtime API calls counted here
+    # (launches, synchronizations); recording CPU ops too crashed kineto's
+    # trace clean-up in SGLang's scheduler on the H100 host.
+    engine.start_profile(output_dir=trace_dir, num_steps=PROFILE_STEPS, activities=["GPU"],
                          profile_by_stage=True)
     ids = prompts(seed)[:16]
     engine.generate(input_ids=ids, sampling_params=[params(policy, tokens=PROFILE_STEPS * 3)] * len(ids))
@@ -84,6 +90,19 @@ def profiled(engine, policy, seed) -> dict:
     result = count_profile(trace_dir)
     result["batch"] = len(ids)
     return result
+
+
+def summary(runs: list[dict]) -> dict:
+    """Median tokens/s per (engine, policy), and each against vanilla."""
+    by_key: dict[str, list[float]] = {}
+    for run in runs:
+        policy = run["policy"] if isinstance(run["policy"], str) else run["policy"]["name"]
+        key = "vanilla" if run["engine"].startswith("vanilla") else f"kvsieve/{policy}"
+        by_key.setdefault(key, []).append(run["tokens_per_s"])
+    medians = {k: sorted(v)[len(v) // 2] for k, v in by_key.items()}
+    base = medians.get("vanilla")
+    return {k: {"median_tokens_per_s": m, "runs": len(by_key[k]),
+                "vs_vanilla": round(m / base, 3) if base else None} for k, m in medians.items()}
 
 
 def make_engine(model: str, backend: str):
@@ -96,6 +115,7 @@ def make_engine(model: str, backend: str):
 
 def main() -> None:
     model, out_dir = sys.argv[1], sys.argv[2]
+    profiles_only = "--profiles-only" in sys.argv[3:]
     import torch
 
     results = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
@@ -114,9 +134,11 @@ def main() -> None:
     results["vanilla_start_s"] = round(time.perf_counter() - started, 1)
     try:
         throughput(vanilla, "full", seed=99)  # warm-up
-        run = throughput(vanilla, "full", seed=0)
-        run["engine"] = "vanilla SGLang (triton)"
-        results["runs"].append(run)
+        if not profiles_only:
+            for _ in range(REPEATS):
+                run = throughput(vanilla, "full", seed=0)
+                run["engine"] = "vanilla SGLang (triton)"
+                results["runs"].append(run)
         results["profiles"]["vanilla"] = profiled(vanilla, "full", seed=1)
     finally:
         vanilla.shutdown()
@@ -128,13 +150,15 @@ def main() -> None:
     results["kvsieve_start_s"] = round(time.perf_counter() - started, 1)
     try:
         throughput(engine, "full", seed=99)  # warm-up
-        for policy in ["full"] + [{"name": p, "budget": BUDGET} for p in POLICIES]:
+        runs = ["full"] * REPEATS + [{"name": p, "budget": BUDGET} for p in POLICIES]
+        for policy in [] if profiles_only else runs:
             run = throughput(engine, policy, seed=0)
             run["engine"] = "kvsieve"
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
             save()
         results["profiles"]["kvsieve_full"] = profiled(engine, "full", seed=1)
+        save()
         for p in POLICIES:
             results["profiles"][p] = profiled(engine, {"name": p, "budget": BUDGET}, seed=1)
             save()
@@ -155,6 +179,7 @@ def main() -> None:
         results["checks"]["mixed_batch_full_row_equals_full"] = mixed[0] == full[0]
     finally:
         engine.shutdown()
+    results["summary"] = summary(results["runs"])
     save()
     print(json.dumps({"profiles": results["profiles"], "checks": results["checks"]}, indent=1))
 

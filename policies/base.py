@@ -23,7 +23,7 @@ from typing import ClassVar, Optional
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .observations import Need, Observations, PolicyBatch, SlotView
+from .observations import Need, Observations, PolicyBatch, SlotView, to_device
 
 
 class PolicyParams(BaseModel):
@@ -125,6 +125,6 @@ class Policy:
         for name in cls.tensor_params():
             values = [getattr(row, name) for row in rows]
             dtype = torch.float32 if isinstance(values[0], float) else torch.int64
-            params[name] = torch.tensor(values, dtype=dtype, device=device)
+            params[name] = to_device(values, dtype, device)
             maxima[name] = max(values)
         return params, maxima

@@ -80,6 +80,16 @@ class PolicyBatch:
         return self.maxima[name]
 
 
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device` without a host-device sync: on
+    CUDA through pinned memory and an asynchronous copy, ordered on the
+    current stream like every later use (a plain copy would block the host)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def rank_by_position(view: SlotView, newest_first: bool) -> torch.Tensor:
     """Rank of each valid slot among its (row, head)'s valid slots by position
     (0 = oldest, or newest with newest_first); invalid slots rank last.

@@ -134,7 +134,7 @@ class KvsieveAttnBackend(AttentionBackend):
                                             save_kv_cache=False)
             o3[t] = out.view(t.shape[0], *o3.shape[1:])
         if step.zero_token_index is not None:
-            o3[step.zero_token_index] = 0
+            o3.index_fill_(0, step.zero_token_index, 0)
         if step.region is not None:
             self._extend_region(q3, k3, v3, o3, layer, step)
         return o3.flatten(1)
@@ -153,7 +153,7 @@ class KvsieveAttnBackend(AttentionBackend):
                                             save_kv_cache=False)
             o3[i] = out.view(i.shape[0], *o3.shape[1:])
         if step.zero_batch_index is not None:
-            o3[step.zero_batch_index] = 0
+            o3.index_fill_(0, step.zero_batch_index, 0)
         if step.region is not None:
             self._decode_region(q3, k3, v3, o3, layer, step)
         return o3.flatten(1)
@@ -197,10 +197,10 @@ class KvsieveAttnBackend(AttentionBackend):
         offset = slot % P
         p.k[page, offset] = k3[idx].to(p.k.dtype)
         p.v[page, offset] = v3[idx].to(p.v.dtype)
-        p.valid[page, offset] = True
+        p.valid[page, offset] = p.const_true
         p.position[page, offset] = rows.positions.unsqueeze(1)
-        p.score[page, offset] = 0.0
-        p.last_hit[page, offset] = 0
+        p.score[page, offset] = p.const_zero
+        p.last_hit[page, offset] = p.const_zero_int
         # 2. Attention over prefix + region, with the observations asked for.
         rk, rv, view = self._slots(table)
         pk, pv = self._prefix_kv(layer, rows)
@@ -252,10 +252,10 @@ class KvsieveAttnBackend(AttentionBackend):
         t = ext.token_index
         p.k[page, offset] = k3[t].to(p.k.dtype)
         p.v[page, offset] = v3[t].to(p.v.dtype)
-        p.valid[page, offset] = True
+        p.valid[page, offset] = p.const_true
         p.position[page, offset] = ext.query_pos[ext.token_row, ext.token_col].unsqueeze(1)
-        p.score[page, offset] = 0.0
-        p.last_hit[page, offset] = 0
+        p.score[page, offset] = p.const_zero
+        p.last_hit[page, offset] = p.const_zero_int
         # 2. Causal attention over prefix + region, in query blocks.
         rk, rv, view = self._slots(table)
         pk, pv = self._prefix_kv(layer, rows)
@@ -298,4 +298,4 @@ class KvsieveAttnBackend(AttentionBackend):
             slots = buffer[table].reshape(*shape, *buffer.shape[2:])
             index = order.view(*shape, *([1] * (buffer.dim() - 2))).expand_as(slots)
             buffer[table] = slots.gather(2, index).reshape(*table.shape, P, *buffer.shape[2:])
-        p.prefill_attention[table] = 0.0
+        p.prefill_attention[table] = p.const_zero

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvsieve.policies.observations import to_device
+
 
 class RegionFull(RuntimeError):
     """No free page: admission should have prevented this."""
@@ -92,6 +94,13 @@ class PageManager:
         self.prefill_attention = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
         self.table = torch.full((c.max_rows, c.num_layers, c.num_kv_heads, 1), self.null_page,
                                 dtype=torch.int64, device=c.device)
+        # Values written through index tensors: device scalars, since a Python
+        # scalar there is copied from the host and blocks it on CUDA.
+        self.const_true = torch.ones((), dtype=torch.bool, device=c.device)
+        self.const_false = torch.zeros((), dtype=torch.bool, device=c.device)
+        self.const_zero = torch.zeros((), dtype=torch.float32, device=c.device)
+        self.const_zero_int = torch.zeros((), dtype=torch.int32, device=c.device)
+        self.const_no_position = torch.full((), -1, dtype=torch.int64, device=c.device)
         self._free: list[int] = list(range(c.num_pages - 1, -1, -1))
         self._owned: dict[str, _Owned] = {}
         self._pending = _Pending()
@@ -206,16 +215,16 @@ class PageManager:
         if not (p.clear_rows or p.bind or p.null_entries):
             return
         if p.clear_rows:
-            self.table[torch.tensor(p.clear_rows, device=self.table.device)] = self.null_page
+            self.table.index_fill_(0, to_device(p.clear_rows, torch.int64, self.table.device), self.null_page)
         for row, start in p.null_entries:
-            self.table[row, :, :, start:] = self.null_page
+            self.table[row, :, :, start:].fill_(self.null_page)
         for row, pages, clear in p.bind:
             self._ensure_width(pages.shape[2])
-            device_pages = pages.to(self.table.device)
-            self.table[row] = self.null_page
-            self.table[row, :, :, :pages.shape[2]] = device_pages
+            self.table[row].fill_(self.null_page)
+            self.table[row, :, :, :pages.shape[2]] = to_device(pages, torch.int64, self.table.device)
             if clear:
-                self._clear_pages(device_pages.flatten())
+                real = pages[pages != self.null_page]  # on the host: no sync
+                self._clear_pages(to_device(real, torch.int64, self.table.device))
         self._pending = _Pending()
 
     def _ensure_width(self, columns: int) -> None:
@@ -227,12 +236,11 @@ class PageManager:
             self.table = torch.cat([self.table, pad], dim=3)
 
     def _clear_pages(self, pages: torch.Tensor) -> None:
-        pages = pages[pages != self.null_page]
-        self.valid[pages] = False
-        self.position[pages] = -1
-        self.score[pages] = 0.0
-        self.last_hit[pages] = 0
-        self.prefill_attention[pages] = 0.0
+        self.valid[pages] = self.const_false
+        self.position[pages] = self.const_no_position
+        self.score[pages] = self.const_zero
+        self.last_hit[pages] = self.const_zero_int
+        self.prefill_attention[pages] = self.const_zero
 
     def width_of(self, rids) -> int:
         """Columns that cover every head of these requests (host)."""

@@ -222,13 +222,20 @@ class KVRuntime:
         policy stays within its own ceiling."""
         from http import HTTPStatus
 
+        self.fail(req, "kvsieve compressed region is full; retry later", HTTPStatus.SERVICE_UNAVAILABLE,
+                  "ServiceUnavailable")
+
+    def fail(self, req: CompressedRequest, message: str, status=None, err_type: str = "InternalServerError") -> None:
+        """End one request with an error (logged); its rows get zeros until
+        SGLang ends it, and every other request keeps running."""
+        from http import HTTPStatus
+
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.overflowed = True
-        logger.error("kvsieve: request %s (%s) outgrew its compressed ceiling; ending it", req.rid, req.spec.name)
+        logger.error("kvsieve: request %s (%s): %s", req.rid, req.spec.name, message)
         if req.sgl_req is not None:
-            req.sgl_req.to_finish = FINISH_ABORT(
-                "kvsieve compressed region is full; retry later", HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable")
+            req.sgl_req.to_finish = FINISH_ABORT(message, status or HTTPStatus.INTERNAL_SERVER_ERROR, err_type)
 
     def end(self, rid: str) -> None:
         """Scheduler hook (release_kv_cache): return the request's pages, keep its usage."""
@@ -254,8 +261,8 @@ class KVRuntime:
 
     # ----- what the forward counts (device) ----------------------------------
     def reset_counters(self, row: int) -> None:
-        self.counters[row] = 0
-        self.overflow_flags[row] = False
+        self.counters[row].zero_()  # (a Python scalar assigned here would block the host on CUDA)
+        self.overflow_flags[row].zero_()
 
     def count_evictions(self, rows: torch.Tensor, evicted: torch.Tensor) -> None:
         """Inside the forward: add a layer's evicted slots per row."""

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from kvsieve.policies import Need, Policy, PolicyBatch
+from kvsieve.policies.observations import to_device
 
 from .runtime import RUNTIME, CompressedRequest
 
@@ -93,7 +94,7 @@ class StepMeta:
 
 
 def _long(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return to_device(values, torch.int64, device)
 
 
 def sub_batch(forward_batch, rows: list[int], token_rows: Optional[list[int]], device):
@@ -199,8 +200,11 @@ class StepBuilder:
                 zero.append(i)
             elif req.prefix_len < 0:
                 # Its prefill never ran through this backend: the shared
-                # prefix it would read is unknown. Fail loudly, not with zeros.
-                raise RuntimeError(f"kvsieve: compressed request {rid} decodes before its prefill was seen")
+                # prefix it would read is unknown. End it with an error (not
+                # silent zeros); the rest of the batch runs on.
+                RUNTIME.fail(req, "kvsieve: compressed request decodes before its prefill was seen "
+                                  "(unknown shared prefix)")
+                zero.append(i)
             else:
                 region.append(i)
         if not region and not zero:

@@ -1,0 +1,105 @@
+"""The per-step metadata of the batched compressed path (host side), on the
+real page manager and runtime. The ForwardBatch is a plain namespace with the
+fields the step builder reads: it is what this test is not about."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvsieve.radix_ext.pages import PageManager, RegionConfig
+from kvsieve.radix_ext.runtime import RUNTIME
+from kvsieve.radix_ext.step_meta import StepBuilder
+
+L, H, D, P = 2, 2, 4, 4
+
+
+class Mode:
+    def __init__(self, decode):
+        self.decode = decode
+
+    def is_decode(self):
+        return self.decode
+
+    def is_extend(self):
+        return not self.decode
+
+    def is_idle(self):
+        return False
+
+
+@pytest.fixture
+def runtime():
+    RUNTIME.region = PageManager(RegionConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_pages=2000,
+                                              page_size=P, max_rows=8))
+    RUNTIME.counters = torch.zeros((8, 2), dtype=torch.int64)
+    RUNTIME.overflow_flags = torch.zeros(8, dtype=torch.bool)
+    req_to_token = torch.arange(8 * 2000, dtype=torch.int32).view(8, 2000)
+    try:
+        yield StepBuilder(RUNTIME.region, req_to_token, "cpu")
+    finally:
+        RUNTIME.requests.clear()
+        RUNTIME.token_observers.clear()
+        RUNTIME.region = None
+
+
+def admit(rid, policy, prompt_len, row, new_tokens=8):
+    sgl_req = SimpleNamespace(req_pool_idx=row, to_finish=None)
+    RUNTIME.admit(rid, {"kv_policy": policy}, prompt_len=prompt_len, sgl_req=sgl_req)
+    req = RUNTIME.requests[rid]
+    RUNTIME.reserve(req, prompt_len, new_tokens)
+    return req
+
+
+def decode_batch(rids, rows, seq_lens):
+    return SimpleNamespace(
+        rids=rids, forward_mode=Mode(decode=True), seq_lens_cpu=torch.tensor(seq_lens),
+        seq_lens=torch.tensor(seq_lens), req_pool_indices=torch.tensor(rows),
+        positions=torch.tensor(seq_lens) - 1, out_cache_loc=torch.zeros(len(rids), dtype=torch.int64))
+
+
+def test_decode_rows_split_into_region_and_pool_with_one_group_per_policy(runtime):
+    a = admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3)
+    b = admit("b", {"name": "streaming", "budget": 6, "params": {"sinks": 2}}, prompt_len=7, row=5)
+    a.prefix_len, b.prefix_len = 5, 7  # prompts kept in the radix cache
+    meta = runtime.build(decode_batch(["a", "full-1", "b"], [3, 1, 5], [6, 9, 8]))
+    rows = meta.region
+    assert rows.batch_index.tolist() == [0, 2] and rows.pool_rows.tolist() == [3, 5]
+    assert meta.pool_batch_index.tolist() == [1] and meta.pool_batch.batch_size == 1
+    assert rows.prefix_mask.sum(1).tolist() == [5, 7]
+    assert torch.equal(rows.prefix_slots[1, :7], torch.arange(5 * 2000, 5 * 2000 + 7))
+    assert rows.positions.tolist() == [5, 7]
+    # Page-table rows were bound and flushed before the forward reads them.
+    assert (rows.tables != RUNTIME.region.null_page).all()
+    by_policy = {g.policy.name: g for g in rows.groups}
+    assert by_policy["streaming"].params["sinks"].tolist() == [2]
+    assert by_policy["h2o"].budget.tolist() == [8] and by_policy["streaming"].budget.tolist() == [6]
+    assert [g.step.tolist() for g in rows.groups] == [[0], [0]]  # first generated token of each
+
+
+def test_a_decode_row_with_an_unknown_prefix_fails_that_request_only(runtime):
+    admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3)  # never prefilled here
+    good = admit("b", {"name": "h2o", "budget": 8}, prompt_len=5, row=4)
+    good.prefix_len = 5
+    meta = runtime.build(decode_batch(["a", "b"], [3, 4], [6, 6]))
+    assert meta.zero_batch_index.tolist() == [0]
+    assert meta.region.batch_index.tolist() == [1]
+    failed = RUNTIME.requests["a"]
+    assert failed.overflowed and failed.sgl_req.to_finish is not None
+    assert "unknown shared prefix" in failed.sgl_req.to_finish.message
+
+
+def test_budget_ratio_counts_the_whole_prompt_in_every_layer(runtime):
+    # One chunk of a 1,000-token private prompt at ratio 0.5: every layer's
+    # selection gets 500, not the budget of the tokens seen before the chunk.
+    admit("a", {"name": "snapkv", "budget_ratio": 0.5}, prompt_len=1000, row=2)
+    fb = SimpleNamespace(
+        rids=["a"], forward_mode=Mode(decode=False), extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[1000],
+        req_pool_indices=torch.tensor([2]), seq_lens=torch.tensor([1000]), seq_lens_cpu=torch.tensor([1000]),
+        positions=torch.arange(1000), out_cache_loc=torch.zeros(1000, dtype=torch.int64))
+    meta = runtime.build(fb)
+    ext = meta.extend
+    assert ext.ending.tolist() == [0]
+    assert [g.budget.tolist() for g in ext.ending_groups] == [[500]]
+    assert ext.token_slot.tolist() == list(range(1000))
+    assert ext.observe.sum().item() == 32  # snapkv's window of the prompt's last queries
