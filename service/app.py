@@ -122,6 +122,8 @@ class OpenAIServer:
         self._check_model(req.model)
         policy = self._policy(req)
         vocab = len(self.tokenizer)
+        if not input_ids:  # an empty string tokenizes to nothing; the engine would fail on it
+            raise bad_request(f"{prompt_param}: the prompt is empty", param=prompt_param)
         if any(not 0 <= t < vocab for t in input_ids):
             raise bad_request(f"{prompt_param}: token ids must be in [0, {vocab})", param=prompt_param)
         max_new = resolve_max_tokens(req.requested_max_tokens(), len(input_ids), self.context_length, prompt_param)

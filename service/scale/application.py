@@ -69,6 +69,8 @@ def build_app(settings: Settings, metrics_dir: str):
         # The ingress only tokenizes and relays: Serve's default cap of 5
         # concurrent requests per replica would throttle the whole service.
         max_ongoing_requests=max(64, 4 * settings.ray.max_ongoing_requests),
+        graceful_shutdown_timeout_s=settings.ray.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=1.0,
         ray_actor_options=light,
     )
     return ingress.bind(engine, hub, settings.model_dump())

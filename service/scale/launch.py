@@ -33,6 +33,21 @@ def _start_ray(settings: Settings) -> bool:
     return True
 
 
+def _delete_app(name: str, timeout_s: float) -> None:
+    """serve.delete, waiting as long as the drain may take (serve.delete's
+    own wait ends after 60 s; a replica still starting its engine cannot
+    stop before it is up)."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if name not in serve.status().applications:
+            return
+        time.sleep(1)
+    logger.warning("app %r still deleting after %.0f s; stopping anyway", name, timeout_s)
+
+
 def serve_ray(settings: Settings) -> None:
     from ray import serve
 
@@ -53,7 +68,7 @@ def serve_ray(settings: Settings) -> None:
         stop.wait()
         logger.warning("stopping: replicas finish their requests (up to %.0f s)",
                        settings.ray.graceful_shutdown_timeout_s)
-        serve.delete(settings.ray.app_name)
+        _delete_app(settings.ray.app_name, settings.ray.graceful_shutdown_timeout_s + 120)
     finally:
         if own_ray:
             serve.shutdown()
