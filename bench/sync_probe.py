@@ -114,7 +114,7 @@ def probe(policy: str, rows: int, prompt: int, steps: int, device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    held = RUNTIME._held(rids[:1])[0] // (LAYERS * H)
+    held = RUNTIME.region.held_tokens(rids[:1])[0] // (LAYERS * H)
     RUNTIME.requests.clear()
     RUNTIME.region = None
     times = sorted(times[2:])

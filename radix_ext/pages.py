@@ -125,6 +125,16 @@ class PageManager:
     def owns(self, rid: str) -> bool:
         return rid in self._owned
 
+    def held_tokens(self, rids: list[str]) -> list[int]:
+        """Valid slots of each request, summed over (layer, head): reads the
+        device (one sync), so only after steps and at request end."""
+        counts = []
+        for rid in rids:
+            pages = self._owned[rid].pages
+            real = to_device(pages[pages != self.null_page], torch.int64, self.valid.device)
+            counts.append(self.valid[real].sum())
+        return torch.stack(counts).tolist() if counts else []
+
     def can_allocate(self, pages_per_head: int) -> bool:
         return pages_per_head * self.config.heads <= len(self._free)
 

@@ -273,19 +273,10 @@ class KVRuntime:
         """Inside the forward: rows that found no free slot for their new token."""
         self.overflow_flags[rows] |= no_room
 
-    def _held(self, rids: list[str]) -> list[int]:
-        """Retained tokens summed over (layer, head), per request (one sync)."""
-        region = self.region
-        counts = []
-        for rid in rids:
-            pages = region._owned[rid].pages
-            counts.append(region.valid[pages[pages != region.null_page].to(region.valid.device)].sum())
-        return torch.stack(counts).tolist() if counts else []
-
     def _usage(self, req: CompressedRequest) -> dict:
         cfg = self.region.config
         row = self.region.row_of(req.rid)
-        held = self._held([req.rid])[0] if self.region.owns(req.rid) else 0
+        held = self.region.held_tokens([req.rid])[0] if self.region.owns(req.rid) else 0
         evicted, events = self.counters[row].tolist() if row >= 0 else (0, 0)
         # A prompt kept in the radix cache is retained whole.
         kept_prompt = 0 if req.private_prompt_in_region else req.prompt_len - max(req.radix_hit, 0)
@@ -309,7 +300,7 @@ class KVRuntime:
         rows = torch.tensor([self.region.row_of(r.rid) for r in live], device=self.overflow_flags.device)
         flags = self.overflow_flags[rows].tolist()
         cfg = self.region.config
-        for req, held, overflowed in zip(live, self._held([r.rid for r in live]), flags):
+        for req, held, overflowed in zip(live, self.region.held_tokens([r.rid for r in live]), flags):
             if overflowed:
                 self.overflow(req)
             tokens, size = held // cfg.heads, held * cfg.bytes_per_page // cfg.page_size
