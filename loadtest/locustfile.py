@@ -160,9 +160,15 @@ class BadRequestUser(_KvsieveUser):
     weight = 1
     wait_time = between(1.0, 3.0)
 
+    def on_start(self):
+        super().on_start()
+        self.next_bad = self.rng.randrange(len(BAD_REQUESTS))
+
     @task
     def bad_request(self):
-        label, body, expected = self.rng.choice(BAD_REQUESTS)
+        # In turn, from a random start: every kind is sent within len(BAD_REQUESTS) requests.
+        label, body, expected = BAD_REQUESTS[self.next_bad % len(BAD_REQUESTS)]
+        self.next_bad += 1
         kwargs = {"data": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
         start = time.time()
         with self.client.post(CHAT_URL, catch_response=True, name=f"bad: {label}", **kwargs) as resp:

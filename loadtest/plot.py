@@ -60,7 +60,8 @@ def plot(records: list[dict], out: Path, window: float = 15.0, title: str = "") 
     ax_tput.set_ylim(bottom=0)
     for ax in (ax_tpot, ax_tput):
         ax.grid(alpha=0.3)
-        ax.legend(title="kv_policy", fontsize=8, ncol=5)
+    if data:
+        ax_tpot.legend(title="kv_policy", fontsize=8, ncol=5)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="free text kept in run.json (server settings, model)")
     args = ap.parse_args(argv)
 
-    out: Path = args.out
+    out: Path = args.out.resolve()  # locust runs in another directory
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "requests.jsonl"
     log_path.unlink(missing_ok=True)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from plot import plot
 
-        plot(read_log(log_path), args.plot, title=f"kvsieve load test, {args.users} users, {args.run_time}")
+        plot(read_log(log_path), args.plot.resolve(), title=f"kvsieve load test, {args.users} users, {args.run_time}")
     print(to_markdown(summary))
     print(f"KV after the run: {json.dumps(state)} (idle after {waited} s)")
     total = summary["total"]

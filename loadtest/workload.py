@@ -85,4 +85,6 @@ BAD_REQUESTS: list[tuple[str, object, int]] = [
     ("max_tokens past the context", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000}, 400),
     ("no messages", {"max_tokens": 4}, 400),
     ("wrong model", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    # Past the server's body limit (limits.max_body_bytes, 1 MiB by default).
+    ("body too large", b'{"messages": [{"role": "user", "content": "' + b"x" * (1 << 20) + b'"}]}', 413),
 ]

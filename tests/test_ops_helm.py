@@ -223,3 +223,10 @@ def test_rendered_names_are_valid_kubernetes_names():
     for doc in render("auth.enabled=true", "auth.keys={a}", release="a-release-name-that-is-rather-long-for-a-cluster"):
         name = doc["metadata"]["name"]
         assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+
+
+def test_ray_version_matches_the_image():
+    """KubeRay starts the cluster at ray.version; the image has the scale part's locked Ray."""
+    locked = re.search(r"^ray\[serve\]==([\d.]+)$", (CHART.parents[1] / "requirements" / "scale.lock").read_text(), re.M)
+    cluster = one(render(), "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == locked.group(1)
