@@ -33,7 +33,7 @@ def test_compressed_requests_fit_where_full_ones_do_not(tiny_llama, tmp_path):
         prompts = [[i + 1, 20, 30, 40] for i in range(N)]
         full, full_peak = asyncio.run(run_batch(server, "full", prompts))
         compressed, compressed_peak = asyncio.run(
-            run_batch(server, {"name": "h2o", "budget": 16}, [[p[0] + 100, *p[1:]] for p in prompts]))
+            run_batch(server, {"name": "h2o", "budget": 16, "compress_prompt": True}, [[p[0] + 100, *p[1:]] for p in prompts]))
         assert all(r["usage"]["completion_tokens"] == NEW for r in full + compressed)
         assert all(r["kv_usage"]["retained_tokens"] == 16 for r in compressed)
         # Each full request needs ~125 of the 256 pool tokens; a compressed
@@ -59,7 +59,7 @@ def test_prompt_memory_returns_after_prefill(tiny_llama, tmp_path):
     try:
         assert "64 pages x 16 slots" in server.log()
         prompts = [[i + 1] + [(7 * j + 13 * i) % 300 + 50 for j in range(149)] for i in range(3)]
-        results, peak = asyncio.run(run_batch(server, {"name": "streaming", "budget": 16}, prompts))
+        results, peak = asyncio.run(run_batch(server, {"name": "streaming", "budget": 16, "compress_prompt": True}, prompts))
         assert all(r["usage"]["completion_tokens"] == NEW for r in results)
         assert all(r["kv_usage"]["retained_tokens"] == 16 for r in results)
         assert peak == 3
@@ -79,7 +79,7 @@ def test_retracted_requests_come_back_and_compressed_ones_go_last(tiny_llama, tm
     # compressed ones; when only compressed ones run, they are retracted too,
     # re-admitted with their outputs as prompt, and finish with every page back.
     server = start_server(tmp_path, "--model", str(tiny_llama), env={"SGLANG_TEST_RETRACT": "1"})
-    compressed = [{"name": "h2o", "budget": 16}, {"name": "streaming", "budget": 16}, {"name": "longflow", "budget": 16}]
+    compressed = [{"name": name, "budget": 16, "compress_prompt": True} for name in ("h2o", "streaming", "longflow")]
 
     async def run(policies, first_token):
         async with httpx.AsyncClient(timeout=600) as client:

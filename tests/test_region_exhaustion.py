@@ -17,7 +17,7 @@ from test_compressed import metric, region_idle
 REGION_PAGES = 16
 # h2o with budget 40 may hold 41 tokens per (layer, head): 3 pages each, 12 in
 # all, so two of these never run at once in a 16-page region.
-BIG = {"name": "h2o", "budget": 40}
+BIG = {"name": "h2o", "budget": 40, "compress_prompt": True}
 
 
 def completion(prompt, max_tokens, policy):
