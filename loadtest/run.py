@@ -8,8 +8,9 @@ TTFT, TPOT, throughput, errors; plus the server's KV state after the run),
 run.json (machine, date, command) and, with --plot, a PNG over time.
 
 After locust stops (in-flight requests are cut off, as clients going away),
-the runner waits up to --drain-timeout seconds for the server to free every
-KV page, then reads its /metrics. Exit status 1 when any request got a 5xx or
+the runner sends one 1-token request (its release republishes the token
+pool's counters, see refresh_kv_gauges) and waits up to --drain-timeout
+seconds for the server to free every KV page, reading its /metrics. Exit status 1 when any request got a 5xx or
 no answer, or KV memory stayed held.
 """
 
@@ -90,6 +91,20 @@ def kv_idle(state: dict) -> bool:
                                        "kv_tokens_in_use", "retained_kv_tokens", "running_requests"))
 
 
+def refresh_kv_gauges(host: str) -> None:
+    """One 1-token request. kvsieve publishes the token pool's counters at each
+    KV release; after requests are cut off, the last release can come before
+    SGLang frees their last slots (in_use stays at 1-2 while SGLang's own
+    sglang:num_used_tokens is 0), so the counters are stale until the next
+    release. This request's release brings them up to date."""
+    body = json.dumps({"prompt": "ok", "max_tokens": 1, "kv_policy": "full"}).encode()
+    req = urllib.request.Request(f"{host}/v1/completions", data=body, headers={"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=120).read()
+    except OSError as exc:  # e.g. 401 when the server wants an API key: the wait below still runs
+        print(f"refresh request failed: {exc}", file=sys.stderr)
+
+
 def wait_for_idle(host: str, timeout: float) -> tuple[dict, float]:
     start = time.monotonic()
     while True:
@@ -143,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     proc = subprocess.run(locust, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)})
 
+    refresh_kv_gauges(args.host)
     state, waited = wait_for_idle(args.host, args.drain_timeout)
     summary = summarize(read_log(log_path))
     summary.update(locust_exit_code=proc.returncode, kv_after_run=state, kv_idle_after_s=waited,

@@ -7,6 +7,7 @@ dashboard variable and rule is evaluated through Prometheus' HTTP API."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port, start_server
-from ops.paths import DASHBOARDS, LOADTEST, RULES
+from ops.paths import DASHBOARDS, LOADTEST, ROOT, RULES
 from ops.prometheus import Prometheus, has_values, scrape_config_for
 from ops.promql import dashboard_queries, dashboard_variable_queries, metric_names, rules
 
@@ -65,11 +66,13 @@ def test_smoke_load_has_no_server_errors_and_frees_every_kv_page(stack):
     for policy in POLICIES:
         assert summary["policies"][policy]["ok"] > 0, f"no completed {policy} request: {summary}"
     bad = summary["policies"]["bad requests"]
-    assert bad["requests"] > 0 and bad["expected_4xx"] == bad["requests"], bad
+    assert bad["requests"] >= 8 and bad["expected_4xx"] == bad["requests"], bad
     scenarios = {json.loads(line)["scenario"] for line in (out / "requests.jsonl").read_text().splitlines()}
     assert scenarios == {"chat", "stream", "reasoning", "burst", "bad"}
 
-    # Every KV page is free again, read here from the server itself.
+    # Every KV page is free again, read here from the server itself (after the
+    # runner's 1-token request: the token pool's counters are published at
+    # each KV release and lag after cut-off requests, see loadtest/run.py).
     text = httpx.get(f"{stack['server'].url}/metrics", timeout=10).text
     values = {(s.name, s.labels.get("state")): s.value
               for family in text_string_to_metric_families(text) for s in family.samples}
@@ -93,8 +96,17 @@ def test_runner_writes_csv_html_summary_and_plot(stack):
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def ray_only_metrics() -> set[str]:
+    """Metrics only the Ray Serve ingress exports (service/scale/hub.py), which
+    a single-process server cannot show; their panels fall back to `up`."""
+    source = (ROOT / "service" / "scale" / "hub.py").read_text()
+    return set(re.findall(r'MetricFamily\(\s*"(kvsieve_\w+)"', source))
+
+
 def test_dashboards_and_rules_name_only_exported_metrics(stack):
-    exported = exported_names(stack["server"]) | {"up", "scrape_duration_seconds"}
+    ray_only = ray_only_metrics()
+    assert ray_only == {"kvsieve_engine_replicas"}
+    exported = exported_names(stack["server"]) | {"up", "scrape_duration_seconds"} | ray_only
     recorded = {r["record"] for r in rules(RULES) if "record" in r}
     missing = []
     for path in DASHBOARDS:
