@@ -1,6 +1,8 @@
 """One settings model from environment variables and a YAML file, checked at
 start-up with errors that name the setting."""
 
+import os
+
 import pytest
 
 from conftest import kvsieve_cli
@@ -8,9 +10,16 @@ from kvsieve.service.config import CONFIG_ENV, ConfigError, load_settings
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv(CONFIG_ENV, raising=False)
+def _clean_env():
+    # load_settings(file) exports the file in $KVSIEVE_CONFIG (for the
+    # processes the CLI starts); remove it after each test, or every later
+    # test's server reads this module's YAML files. (monkeypatch.delenv of an
+    # unset variable records nothing to undo.)
+    saved = os.environ.pop(CONFIG_ENV, None)
     yield
+    os.environ.pop(CONFIG_ENV, None)
+    if saved is not None:
+        os.environ[CONFIG_ENV] = saved
 
 
 def test_precedence_overrides_env_file_defaults(tmp_path, monkeypatch):
