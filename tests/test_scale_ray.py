@@ -22,6 +22,18 @@ from kvsieve.service.scale.hub import STALE_AFTER_S
 START_TIMEOUT_S = 600  # two engines and Ray on a shared 2-core machine
 
 
+def test_the_rayservice_entry_point_builds_the_application_from_its_args():
+    # What the helm chart's RayService names as its import_path.
+    from ray.serve import Application
+
+    from kvsieve.service.scale.application import app_builder
+
+    app = app_builder({"ray": {"replicas": 2}, "limits": {"max_tokens": 64}})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="ray"):
+        app_builder({"ray": {"replicas": 0}})
+
+
 def test_deployment_options_from_settings():
     fixed = engine_deployment_options(load_settings(ray={"replicas": 3, "graceful_shutdown_timeout_s": 12}), "/tmp/x")
     assert fixed["num_replicas"] == 3 and fixed["graceful_shutdown_timeout_s"] == 12

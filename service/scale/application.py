@@ -74,3 +74,14 @@ def build_app(settings: Settings, metrics_dir: str):
         ray_actor_options=light,
     )
     return ingress.bind(engine, hub, settings.model_dump())
+
+
+def app_builder(args: dict):
+    """Application builder for `serve run` and KubeRay's RayService
+    (import_path `kvsieve.service.scale.application:app_builder`): settings
+    from the environment and $KVSIEVE_CONFIG, with the application's `args`
+    ({section: {field: value}}) on top. Each replica keeps its metrics in a
+    directory of its own under /tmp/kvsieve-prom on its node."""
+    from kvsieve.service.config import load_settings
+
+    return build_app(load_settings(**(args or {})), "/tmp/kvsieve-prom")
