@@ -282,9 +282,10 @@ class StepBuilder:
                                 torch.full((), -1, dtype=torch.int64, device=dev))
         prompt_lens = _long([r.prompt_len for r in requests], dev).unsqueeze(1)
         observe = (query_pos >= prompt_lens - _long(windows, dev).unsqueeze(1)) & (query_pos >= 0)
-        ending_groups = self._groups(requests, ending, [0] * len(requests), budgets)
-        for g in ending_groups:  # rows of a group index `ending`, not the region rows
-            g.rows = _long([ending.index(int(r)) for r in g.rows.tolist()], dev)
+        # Groups over the rows that end their prompt, indexed within `ending`
+        # (built from host lists: no read back from the device).
+        ending_groups = self._groups([requests[r] for r in ending], list(range(len(ending))),
+                                     [0] * len(ending), [budgets[r] for r in ending])
         extend = ExtendRows(
             token_index=_long(token_index, dev), token_row=_long(token_row, dev), token_col=_long(token_col, dev),
             token_slot=_long(token_slot, dev), query_pos=query_pos, observe=observe, max_len=T,
