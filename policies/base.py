@@ -18,7 +18,8 @@ the compressed region; a policy never touches SGLang objects.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -38,6 +39,33 @@ class RequestState:
 
     def __init__(self, params: PolicyParams, num_layers: int, num_kv_heads: int):
         self.params = params
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy may know about the served model, given once per process
+    (Policy.bind_model) before any request."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    #: Token ids that end a sentence: they decode to ".", "?", "!" or contain "\n".
+    delimiter_ids: frozenset = frozenset()
+    #: The model's tokenizer (text -> ids), None when the engine has none.
+    encode: Optional[Callable[[str], list]] = None
+
+
+@dataclass
+class StepRow:
+    """One request of a policy group in this step, as step_inputs sees it."""
+
+    state: RequestState
+    step: int  # decode step (tokens generated before this one); 0 in a prefill
+    pool_row: int  # req_pool row: stable for the request's life
+    budget: int  # tokens per (layer, kv head) this step
+    prefill: bool
 
 
 class Policy:
@@ -79,6 +107,23 @@ class Policy:
     def select_decode(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:
         """One decode step of `batch.layer` is done for every row."""
         return None
+
+    # ----- per-process and per-step host hooks -------------------------------
+    model: Optional[ModelInfo] = None
+
+    def bind_model(self, info: ModelInfo) -> None:
+        """Called once per process, before any request, with the served model."""
+        self.model = info
+
+    def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
+        """Per-step dynamic inputs of the group's rows, built on the host
+        before the forward (with observations.to_device: no sync). Each
+        tensor has len(rows) as its leading dim; decisions read them as
+        `batch.inputs[name]`. A "budget" of shape [R, num_layers, H] replaces
+        the uniform budget (batch.budget is then its [:, layer] slice). Runs
+        between steps, so a rare host read of device state (every N steps)
+        belongs here, not in the decisions."""
+        return {}
 
     # ----- per-request host events (between steps) -------------------------
     def begin_request(self, params: PolicyParams, num_layers: int, num_kv_heads: int) -> RequestState:

@@ -65,13 +65,20 @@ class PolicyBatch:
     each row (tokens generated before this one), and every numeric policy
     parameter as an [R] tensor (`param("sinks")`), with its largest value
     over the rows known on the host (`max_param`), for loops bounded by a
-    parameter."""
+    parameter. `inputs` carries what Policy.step_inputs built for this
+    step."""
 
     layer: int
     budget: torch.Tensor  # [R, H] int64
     step: torch.Tensor  # [R] int64
     params: dict = field(default_factory=dict)  # name -> [R] tensor
     maxima: dict = field(default_factory=dict)  # name -> int or float
+    #: Per-step dynamic inputs from Policy.step_inputs (name -> [R, ...] tensor).
+    inputs: dict = field(default_factory=dict)
+    #: req_pool row of each request [R] (stable for its life), to index
+    #: per-request device buffers a policy keeps, sized by max_rows.
+    pool_rows: Optional[torch.Tensor] = None
+    max_rows: int = 0
 
     def param(self, name: str) -> torch.Tensor:
         return self.params[name]

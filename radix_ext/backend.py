@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from kvsieve.kernels.attention_ref import attend_rows
 from kvsieve.policies import Need, Observations, SlotView
 
+from .model_info import build_model_info
 from .runtime import RUNTIME
 from .step_meta import StepBuilder, StepMeta
 
@@ -62,6 +63,8 @@ class KvsieveAttnBackend(AttentionBackend):
             pool.layer_num, pool.head_num, pool.head_dim, pool.dtype, self.device, pool_tokens=pool.size,
             max_rows=model_runner.req_to_token_pool.req_to_token.shape[0],
             context_len=model_runner.model_config.context_len)
+        if RUNTIME.model_info is None:
+            RUNTIME.model_info = build_model_info(model_runner, pool.layer_num, pool.head_num, pool.head_dim)
         self.steps = StepBuilder(self.pages, model_runner.req_to_token_pool.req_to_token, self.device)
         self.step: StepMeta | None = None
 

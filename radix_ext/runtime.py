@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from kvsieve.policies.base import ModelInfo
 from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyParams, RequestState, get_policy, \
     parse_kv_policy
 
@@ -39,10 +40,14 @@ _POLICY_INSTANCES: dict[type, Policy] = {}
 
 
 def policy_instance(name: str) -> Policy:
-    """Policies are stateless functions over a batch: one instance per class."""
+    """Policies are stateless functions over a batch: one instance per class,
+    bound to the served model (RUNTIME.model_info) when it is made."""
     cls = get_policy(name)
     if cls not in _POLICY_INSTANCES:
-        _POLICY_INSTANCES[cls] = cls()
+        policy = cls()
+        if RUNTIME.model_info is not None:
+            policy.bind_model(RUNTIME.model_info)
+        _POLICY_INSTANCES[cls] = policy
     return _POLICY_INSTANCES[cls]
 
 
@@ -98,6 +103,8 @@ class CompressedRequest:
 class KVRuntime:
     def __init__(self):
         self.region: Optional[PageManager] = None
+        #: The served model as policies see it (set by the attention backend).
+        self.model_info: Optional[ModelInfo] = None
         self.requests: dict[str, CompressedRequest] = {}
         self.finished: dict[str, dict] = {}  # rid -> final usage, until reported
         #: rids whose policy needs token ids or hidden states (on_tokens).

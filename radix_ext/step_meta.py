@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from kvsieve.policies import Need, Policy, PolicyBatch
+from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
 
 from .runtime import RUNTIME, CompressedRequest
@@ -44,10 +45,18 @@ class PolicyGroup:
     step: torch.Tensor  # [Rg] int64
     params: dict  # name -> [Rg] tensor
     maxima: dict  # name -> host max
+    inputs: dict = field(default_factory=dict)  # Policy.step_inputs of this step
+    pool_rows: Optional[torch.Tensor] = None  # [Rg] req_pool rows
+    max_rows: int = 0
 
     def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
-        budget = self.budget.unsqueeze(1).expand(-1, num_kv_heads)
-        return PolicyBatch(layer=layer, budget=budget, step=self.step, params=self.params, maxima=self.maxima)
+        per_layer = self.inputs.get("budget")
+        if per_layer is not None and per_layer.dim() == 3:
+            budget = per_layer[:, layer]
+        else:
+            budget = self.budget.unsqueeze(1).expand(-1, num_kv_heads)
+        return PolicyBatch(layer=layer, budget=budget, step=self.step, params=self.params, maxima=self.maxima,
+                           inputs=self.inputs, pool_rows=self.pool_rows, max_rows=self.max_rows)
 
 
 @dataclass
@@ -137,23 +146,28 @@ class StepBuilder:
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
-                budgets: list[int]) -> list[PolicyGroup]:
+                budgets: list[int], pool_rows: list[int], prefill: bool) -> list[PolicyGroup]:
         by_class: dict[type, list[int]] = {}
         for r in rows:
             by_class.setdefault(type(requests[r].policy), []).append(r)
         groups = []
+        max_rows = self.req_to_token.shape[0]
         for cls, members in by_class.items():
             policy = requests[members[0]].policy
             params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
+            inputs = policy.step_inputs(
+                [StepRow(state=requests[r].state, step=steps[r], pool_row=pool_rows[r], budget=budgets[r],
+                         prefill=prefill) for r in members], self.device)
             groups.append(PolicyGroup(
                 policy=policy,
                 rows=_long(members, self.device),
                 budget=_long([budgets[r] for r in members], self.device),
                 step=_long([steps[r] for r in members], self.device),
-                params=params, maxima=maxima))
+                params=params, maxima=maxima, inputs=inputs,
+                pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows))
         return groups
 
-    def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets) -> RegionRows:
+    def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill) -> RegionRows:
         dev = self.device
         pool_rows_t = _long(pool_rows, dev)
         width = self.pages.width_of([r.rid for r in requests])
@@ -167,7 +181,7 @@ class StepBuilder:
         else:
             prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
             prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
-        groups = self._groups(requests, list(range(len(requests))), steps, budgets)
+        groups = self._groups(requests, list(range(len(requests))), steps, budgets, pool_rows, prefill)
         needs = Need.NONE
         for g in groups:
             needs |= g.policy.needs
@@ -221,7 +235,8 @@ class StepBuilder:
         self.pages.flush()
         rows = None
         if region:
-            rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests], steps, budgets)
+            rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests], steps, budgets,
+                                     prefill=False)
             rows.positions = fb.positions[rows.batch_index]
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
 
@@ -274,7 +289,7 @@ class StepBuilder:
         self.pages.flush()
         dev = self.device
         rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests],
-                                 [0] * len(requests), budgets)
+                                 [0] * len(requests), budgets, prefill=True)
         T = max(lengths)
         col = torch.arange(T, device=dev).unsqueeze(0)
         lengths_t = _long(lengths, dev).unsqueeze(1)
@@ -285,7 +300,8 @@ class StepBuilder:
         # Groups over the rows that end their prompt, indexed within `ending`
         # (built from host lists: no read back from the device).
         ending_groups = self._groups([requests[r] for r in ending], list(range(len(ending))),
-                                     [0] * len(ending), [budgets[r] for r in ending])
+                                     [0] * len(ending), [budgets[r] for r in ending],
+                                     [pool_rows[r] for r in ending], prefill=True)
         extend = ExtendRows(
             token_index=_long(token_index, dev), token_row=_long(token_row, dev), token_col=_long(token_col, dev),
             token_slot=_long(token_slot, dev), query_pos=query_pos, observe=observe, max_len=T,

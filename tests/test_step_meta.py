@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvsieve.policies import Policy, register_policy, registry
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.runtime import RUNTIME
 from kvsieve.radix_ext.step_meta import StepBuilder
@@ -103,3 +104,34 @@ def test_budget_ratio_counts_the_whole_prompt_in_every_layer(runtime):
     assert [g.budget.tolist() for g in ext.ending_groups] == [[500]]
     assert ext.token_slot.tolist() == list(range(1000))
     assert ext.observe.sum().item() == 32  # snapkv's window of the prompt's last queries
+
+
+class _PerHeadBudgets(Policy):
+    """A test policy whose step_inputs give each (layer, head) its own
+    budget and echo the rows' steps and pool rows (registered only here)."""
+
+    name = "test_per_head_budgets"
+
+    def step_inputs(self, rows, device):
+        budgets = [[[row.budget + 10 * layer + head for head in range(H)] for layer in range(L)] for row in rows]
+        return {"budget": torch.tensor(budgets, device=device),
+                "echo": torch.tensor([[row.step, row.pool_row, int(row.prefill)] for row in rows], device=device)}
+
+
+@pytest.fixture
+def per_head_policy():
+    register_policy(_PerHeadBudgets)
+    yield
+    registry._POLICIES.pop(_PerHeadBudgets.name)  # later tests list the registered policies
+
+
+def test_step_inputs_reach_the_decisions_with_per_layer_head_budgets(runtime, per_head_policy):
+    a = admit("a", {"name": "test_per_head_budgets", "budget": 8}, prompt_len=5, row=3)
+    a.prefix_len = 5
+    meta = runtime.build(decode_batch(["a"], [3], [9]))  # 9 tokens: step 3 of the decode
+    (group,) = meta.region.groups
+    assert group.inputs["echo"].tolist() == [[3, 3, 0]]
+    batch = group.batch(layer=1, num_kv_heads=H)
+    assert batch.budget.tolist() == [[18, 19]]  # 8 + 10 * layer + head
+    assert batch.pool_rows.tolist() == [3] and batch.max_rows == 8
+    assert batch.inputs is group.inputs
