@@ -66,6 +66,9 @@ class StepRow:
     pool_row: int  # req_pool row: stable for the request's life
     budget: int  # tokens per (layer, kv head) this step
     prefill: bool
+    #: Private tokens of the request stored so far, this step's included
+    #: (its private prompt, when that is in the region, and generated tokens).
+    private_tokens: int = 0
 
 
 class Policy:

@@ -24,6 +24,7 @@ class Need(enum.Flag):
     SPARSITY = enum.auto()  # per query head: share of probabilities < 1% of the row max
     HIDDEN_STATES = enum.auto()  # last layer's hidden state of the new token
     TOKEN_IDS = enum.auto()
+    KEYS = enum.auto()  # SlotView.keys: the slots' post-RoPE keys (ThinKV's k-means)
 
 
 @dataclass
@@ -37,6 +38,8 @@ class SlotView:
     position: torch.Tensor  # [R, H, S] int64, token position (-1: free)
     score: torch.Tensor  # [R, H, S] float32
     last_hit: torch.Tensor  # [R, H, S] int32
+    #: [R, H, S, D] post-RoPE keys, given only to policies that need Need.KEYS.
+    keys: Optional[torch.Tensor] = None
 
     @property
     def held(self) -> torch.Tensor:

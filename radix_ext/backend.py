@@ -181,9 +181,10 @@ class KvsieveAttnBackend(AttentionBackend):
         p = self.pages
         R, H, M = table.shape
         flat = lambda t: t[table].reshape(R, H, M * p.config.page_size, *t.shape[2:])  # noqa: E731
+        k = flat(p.k)
         view = SlotView(valid=flat(p.valid), position=flat(p.position), score=flat(p.score),
-                        last_hit=flat(p.last_hit))
-        return flat(p.k), flat(p.v), view
+                        last_hit=flat(p.last_hit), keys=k)
+        return k, flat(p.v), view
 
     def _decode_region(self, q3, k3, v3, o3, layer, step):
         rows, p = step.region, self.pages
@@ -221,8 +222,10 @@ class KvsieveAttnBackend(AttentionBackend):
         evict = torch.zeros_like(view.valid)
         for group in groups:  # one per policy class present, not per row
             g = group.rows
+            # Keys only for policies that read them (Need.KEYS): a gather per call.
+            keys = view.keys[g] if view.keys is not None and group.policy.needs & Need.KEYS else None
             sub = SlotView(valid=view.valid[g], position=view.position[g], score=view.score[g],
-                           last_hit=view.last_hit[g])
+                           last_hit=view.last_hit[g], keys=keys)
             batch = group.batch(layer.layer_id, H)
             decide = group.policy.select_prefill if prefill else group.policy.select_decode
             chosen = decide(batch, sub, obs.rows(g))

@@ -87,3 +87,11 @@ COMPRESSED_REQUESTS_LIVE = Gauge(
 
 def record_compressed_requests_live(count: int) -> None:
     COMPRESSED_REQUESTS_LIVE.set(count)
+
+
+POLICY_FALLBACKS = Counter(
+    "kvsieve_policy_fallback_total",
+    "Requests a policy ran with a documented fallback (e.g. thinkv on a model without a calibration artifact).",
+    ["policy", "reason"],
+    registry=None,
+)

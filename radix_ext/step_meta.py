@@ -157,7 +157,7 @@ class StepBuilder:
             params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
             inputs = policy.step_inputs(
                 [StepRow(state=requests[r].state, step=steps[r], pool_row=pool_rows[r], budget=budgets[r],
-                         prefill=prefill) for r in members], self.device)
+                         prefill=prefill, private_tokens=requests[r].private_seen) for r in members], self.device)
             groups.append(PolicyGroup(
                 policy=policy,
                 rows=_long(members, self.device),
