@@ -1,0 +1,272 @@
+"""Triton decode attention for compressed rows, with the policies'
+observations from the same pass.
+
+One query token per row attends to two parts of its KV: the radix-shared
+prefix in SGLang's token pool (slots through `prefix_slots`, a row of
+req_to_token) and the row's private slots in the compressed region (pages
+through the layer's page table, a valid bit per slot). Both are one index
+space per row, [prefix 0..P) then [region 0..S), split into chunks that run
+in parallel (split-KV); a second kernel merges the chunks with their
+log-sum-exp. GQA: one program serves the G query heads of a kv head, so each
+key and value is read once for the group.
+
+Observations (policies.observations.Need) cost a third kernel and, in the
+first, one fp32 logit per (query head, key) written to a scratch buffer:
+with the final log-sum-exp known after the merge, the third kernel turns
+them into the probability mass per region slot summed over the group
+(ATTENTION), that mass times ||v||_1 (PV_NORM: ||p v||_1 = p ||v||_1 for
+p >= 0) and, per query head, the share of keys whose probability is below
+1% of the row's largest (SPARSITY). K/V are never read twice.
+
+`kernels.attention_ref.attend_rows` is the PyTorch reference of the same
+computation (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvsieve.policies.observations import Need, Observations
+
+from .attention_ref import SPARSITY_THRESHOLD
+
+#: Keys per inner-loop block.
+BLOCK_N = 32
+#: ln(SPARSITY_THRESHOLD): a probability below threshold x the row max has a
+#: logit below the row's max logit + this.
+LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
+
+
+@triton.jit
+def _partial_kernel(
+    Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
+    PartO, PartM, PartL, Logits,
+    scale, P, S, keys_per_split, null_page,
+    sq_r, sq_h,
+    spk_n, spk_h, spv_n, spv_h,
+    sps_r, srk_p, srk_o, srv_p, srv_o, sva_p,
+    st_r, st_h,
+    spo_r, spo_h, spo_s, spm_r, spm_h,
+    slg_r, slg_h,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    q = tl.load(Q + r * sq_r + (h * G + g)[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
+    plen = tl.load(PrefixLen + r)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, P + S)
+    m = tl.full([G_PAD], -1e30, tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV], tl.float32)
+    # A while loop, not range(): Triton's CPU interpreter cannot take a
+    # runtime bound in range() under NumPy 2 (the GPU compiles either).
+    n0 = start
+    while n0 < end:
+        n = n0 + tl.arange(0, BLOCK)
+        in_range = n < end
+        in_prefix = in_range & (n < plen)
+        in_region = in_range & (n >= P)
+        pslot = tl.load(PrefixSlots + r * sps_r + n, mask=in_prefix, other=0)
+        s = tl.where(in_region, n - P, 0)
+        page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
+        off = s % PAGE
+        rvalid = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
+        seen = in_prefix | rvalid
+        # Each key comes from the pool or the region: two masked loads, one select.
+        k = tl.where(in_prefix[:, None],
+                     tl.load(PoolK + pslot[:, None] * spk_n + h * spk_h + d[None, :], mask=in_prefix[:, None],
+                             other=0.0),
+                     tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=rvalid[:, None],
+                             other=0.0))
+        qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK]
+        qk = tl.where(seen[None, :], qk, float("-inf"))
+        if STORE_PREFIX_LOGITS:
+            tl.store(Logits + r * slg_r + (h * G + g)[:, None] * slg_h + n[None, :], qk,
+                     mask=g_ok[:, None] & (in_range & (n < P))[None, :])
+        if STORE_REGION_LOGITS:
+            tl.store(Logits + r * slg_r + (h * G + g)[:, None] * slg_h + n[None, :], qk,
+                     mask=g_ok[:, None] & in_region[None, :])
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        v = tl.where(in_prefix[:, None],
+                     tl.load(PoolV + pslot[:, None] * spv_n + h * spv_h + dv[None, :], mask=in_prefix[:, None],
+                             other=0.0),
+                     tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=rvalid[:, None],
+                             other=0.0))
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+        n0 += BLOCK
+    hq = h * G + g
+    tl.store(PartO + r * spo_r + hq[:, None] * spo_h + split * spo_s + dv[None, :], acc, mask=g_ok[:, None])
+    tl.store(PartM + r * spm_r + hq * spm_h + split, m, mask=g_ok)
+    tl.store(PartL + r * spm_r + hq * spm_h + split, l, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    PartO, PartM, PartL, Out, Lse, RowMax,
+    num_splits, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
+    DV: tl.constexpr, SPLITS: tl.constexpr,
+):
+    r = tl.program_id(0)
+    hq = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    ok = sp < num_splits
+    dv = tl.arange(0, DV)
+    m = tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=ok, other=-1e30)
+    l = tl.load(PartL + r * spm_r + hq * spm_h + sp, mask=ok, other=0.0)
+    top = tl.max(m, 0)
+    w = tl.exp(m - top) * ok
+    total = tl.sum(l * w, 0)
+    o = tl.load(PartO + r * spo_r + hq * spo_h + sp[:, None] * spo_s + dv[None, :], mask=ok[:, None], other=0.0)
+    merged = tl.sum(o * w[:, None], 0) / tl.maximum(total, 1e-30)  # a row that sees nothing: 0
+    tl.store(Out + r * so_r + hq * so_h + dv, merged.to(Out.dtype.element_ty))
+    heads = tl.num_programs(1)
+    tl.store(Lse + r * heads + hq, top + tl.log(tl.maximum(total, 1e-30)))
+    tl.store(RowMax + r * heads + hq, top)
+
+
+@triton.jit
+def _observe_kernel(
+    Logits, Lse, RowMax, RegV, Table, Valid, Attention, PvNorm, Sparse, Seen,
+    P, S, null_page, slg_r, slg_h, srv_p, srv_o, sva_p, st_r, st_h, sat_r, sat_h, Hq,
+    G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+    ATTENTION: tl.constexpr, PV_NORM: tl.constexpr, SPARSITY: tl.constexpr, log_sparsity,
+):
+    """Grid (rows, kv heads, blocks of the P + S keys)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    hq = h * G + g
+    in_range = n < P + S
+    logits = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
+                     mask=g_ok[:, None] & in_range[None, :], other=float("-inf"))
+    if SPARSITY:
+        top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
+        seen = logits > float("-inf")
+        sparse = seen & (logits < top[:, None] + log_sparsity)
+        tl.atomic_add(Sparse + r * Hq + hq, tl.sum(sparse.to(tl.float32), 1), mask=g_ok)
+        tl.atomic_add(Seen + r * Hq + hq, tl.sum(seen.to(tl.float32), 1), mask=g_ok)
+    if ATTENTION or PV_NORM:
+        lse = tl.load(Lse + r * Hq + hq, mask=g_ok, other=0.0)
+        region = in_range & (n >= P)
+        s = tl.where(region, n - P, 0)
+        mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf logits (unseen, padding heads): 0
+        if ATTENTION:
+            tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
+        if PV_NORM:
+            page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=region, other=null_page)
+            off = s % PAGE
+            dv = tl.arange(0, DV)
+            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=region[:, None],
+                        other=0.0)
+            tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * tl.sum(tl.abs(v.to(tl.float32)), 1), mask=region)
+
+
+def _splits(R: int, Hkv: int, keys: int, device) -> int:
+    """Chunks per (row, kv head): enough programs to fill the GPU, chunks of
+    at least a few blocks."""
+    if keys <= 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
+    want = max(1, (2 * sms) // max(R * Hkv, 1))
+    return int(max(1, min(want, triton.cdiv(keys, 4 * BLOCK_N), 64)))
+
+
+def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
+                     needs: Need = Need.NONE, num_splits: int | None = None):
+    """Attention output [R, Hq, Dv] and the observations `needs` asks for.
+
+    q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
+    layer); prefix_slots [R, P] int64 with prefix_len [R] (slots past a
+    row's length are ignored); region_k/v [pages, page_size, D];
+    region_valid [pages, page_size] bool; table [R, Hkv, M] the layer's page
+    table rows (the null page has no valid slot). Observations as
+    attention_ref.attend_rows gives them: attention, pv_norm [R, Hkv, M *
+    page_size], sparsity [R, Hq]."""
+    R, Hq, D = q.shape
+    Hkv = table.shape[1]
+    G = Hq // Hkv
+    DV = region_v.shape[-1]
+    P = prefix_slots.shape[1]
+    PAGE = region_k.shape[1]
+    S = table.shape[2] * PAGE
+    dev = q.device
+    splits = num_splits or _splits(R, Hkv, P + S, dev)
+    per_split = triton.cdiv(max(P + S, 1), splits)
+    per_split = triton.cdiv(per_split, BLOCK_N) * BLOCK_N
+    part_o = torch.empty((R, Hq, splits, DV), dtype=torch.float32, device=dev)
+    part_m = torch.empty((R, Hq, splits), dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    sparsity = bool(needs & Need.SPARSITY)
+    region_obs = bool(needs & (Need.ATTENTION | Need.PV_NORM))
+    observing = sparsity or region_obs
+    logits = torch.empty((R, Hq, P + S) if observing else (1, 1, 1), dtype=torch.float32, device=dev)
+    prefix_len = prefix_len.to(torch.int64)
+    if P == 0:  # Triton wants a real buffer even where every load is masked
+        prefix_slots = torch.zeros((R, 1), dtype=torch.int64, device=dev)
+    valid = region_valid.view(torch.uint8) if region_valid.dtype == torch.bool else region_valid
+    null_page = region_k.shape[0] - 1
+    G_PAD = max(16, triton.next_power_of_2(G))
+    _partial_kernel[(R, Hkv, splits)](
+        q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table,
+        part_o, part_m, part_l, logits,
+        scale, P, S, per_split, null_page,
+        q.stride(0), q.stride(1),
+        pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
+        prefix_slots.stride(0), region_k.stride(0), region_k.stride(1), region_v.stride(0), region_v.stride(1),
+        valid.stride(0), table.stride(0), table.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
+        logits.stride(0), logits.stride(1),
+        G=G, G_PAD=G_PAD, D=D, DV=DV, PAGE=PAGE, BLOCK=BLOCK_N,
+        STORE_REGION_LOGITS=observing, STORE_PREFIX_LOGITS=sparsity,
+    )
+    out = torch.empty((R, Hq, DV), dtype=q.dtype, device=dev)
+    lse = torch.empty((R, Hq), dtype=torch.float32, device=dev)
+    row_max = torch.empty_like(lse)
+    _merge_kernel[(R, Hq)](
+        part_o, part_m, part_l, out, lse, row_max,
+        splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
+        out.stride(0), out.stride(1), DV=DV, SPLITS=max(2, triton.next_power_of_2(splits)),
+    )
+    obs = Observations()
+    if not observing:
+        return out, obs
+    want_attention = bool(needs & Need.ATTENTION)
+    want_pv = bool(needs & Need.PV_NORM)
+    attention = torch.zeros((R, Hkv, S), dtype=torch.float32, device=dev) if region_obs else logits
+    pv_norm = torch.zeros_like(attention) if want_pv else attention
+    sparse = torch.zeros((R, Hq), dtype=torch.float32, device=dev)
+    seen = torch.zeros_like(sparse)
+    first = 0 if sparsity else P  # without SPARSITY only the region's keys are read
+    blocks = triton.cdiv(P + S - first, BLOCK_N)
+    if blocks:
+        _observe_kernel[(R, Hkv, blocks)](
+            logits[:, :, first:], lse, row_max, region_v, table, valid, attention, pv_norm, sparse, seen,
+            P - first, S, null_page, logits.stride(0), logits.stride(1), region_v.stride(0), region_v.stride(1),
+            valid.stride(0), table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq,
+            G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=BLOCK_N,
+            ATTENTION=region_obs, PV_NORM=want_pv, SPARSITY=sparsity, log_sparsity=LOG_SPARSITY,
+        )
+    if want_attention:
+        obs.attention = attention
+    if want_pv:
+        obs.pv_norm = pv_norm
+    if sparsity:
+        obs.sparsity = sparse / seen.clamp(min=1)
+    return out, obs

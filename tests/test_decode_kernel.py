@@ -1,0 +1,111 @@
+"""The Triton decode-attention kernel against the PyTorch reference
+(kernels.attention_ref.attend_rows), on CPU through Triton's interpreter:
+the same kernel source the GPU compiles. bench/kernel_check.py runs the same
+comparison at real shapes on a GPU."""
+
+import importlib
+
+import pytest
+import torch
+
+from kvsieve.kernels import attention_ref
+from kvsieve.policies import Need
+
+ALL = Need.ATTENTION | Need.PV_NORM | Need.SPARSITY
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    from kvsieve.kernels import decode_attention
+
+    module = importlib.reload(decode_attention)  # re-decorated: interpreted on CPU
+    yield module
+    mp.undo()
+    importlib.reload(decode_attention)
+
+
+def random_case(R, Hq, Hkv, D, P, M, page, dtype, seed, lengths=None, density=0.7):
+    """Random pool, region and page tables; returns the kernel's inputs and
+    the reference's (dense gathers of the same data)."""
+    g = torch.Generator().manual_seed(seed)
+    pool_slots = 4 * R * max(P, 1) + 8
+    pool_k = torch.randn(pool_slots, Hkv, D, generator=g).to(dtype)
+    pool_v = torch.randn(pool_slots, Hkv, D, generator=g).to(dtype)
+    pages = R * Hkv * M + 3
+    region_k = torch.randn(pages + 1, page, D, generator=g).to(dtype)  # + the null page
+    region_v = torch.randn(pages + 1, page, D, generator=g).to(dtype)
+    valid = torch.rand(pages + 1, page, generator=g) < density
+    valid[-1] = False  # the null page
+    table = torch.randperm(pages, generator=g)[:R * Hkv * M].view(R, Hkv, M)
+    table[0, 0, -1] = pages  # one head with fewer pages: a null column
+    prefix_len = torch.tensor(lengths if lengths is not None else [P] * R)
+    prefix_slots = torch.randint(0, pool_slots, (R, P), generator=g)
+    q = torch.randn(R, Hq, D, generator=g).to(dtype)
+    return dict(q=q, pool_k=pool_k, pool_v=pool_v, prefix_slots=prefix_slots, prefix_len=prefix_len,
+                region_k=region_k, region_v=region_v, region_valid=valid, table=table)
+
+
+def reference(case, scale, needs):
+    R, P = case["prefix_slots"].shape
+    table, page = case["table"], case["region_k"].shape[1]
+    Hkv, M = table.shape[1:]
+    prefix_mask = torch.arange(P).unsqueeze(0) < case["prefix_len"].unsqueeze(1)
+    pk = case["pool_k"][case["prefix_slots"]]
+    pv = case["pool_v"][case["prefix_slots"]]
+    rk = case["region_k"][table].reshape(R, Hkv, M * page, -1)
+    rv = case["region_v"][table].reshape(R, Hkv, M * page, -1)
+    mask = case["region_valid"][table].reshape(R, 1, Hkv, M * page)
+    out, obs = attention_ref.attend_rows(case["q"].unsqueeze(1), pk, pv, prefix_mask, rk, rv, mask, scale, needs)
+    return out[:, 0], obs
+
+
+CASES = [
+    # R, Hq, Hkv, D, P, M, page, splits, lengths
+    (3, 4, 2, 32, 20, 3, 16, None, [20, 7, 0]),  # ragged prefixes, one without
+    (2, 7, 1, 64, 0, 4, 8, 3, None),  # no prefix, G = 7 (padded to 16), several splits
+    (2, 8, 4, 16, 33, 2, 16, 2, [33, 1]),
+]
+
+
+@pytest.mark.parametrize("R,Hq,Hkv,D,P,M,page,splits,lengths", CASES)
+def test_kernel_matches_the_reference_with_every_observation(kernel, R, Hq, Hkv, D, P, M, page, splits, lengths):
+    case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=R * 100 + P, lengths=lengths)
+    scale = D ** -0.5
+    out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, num_splits=splits)
+    ref_out, ref = reference(case, scale, ALL)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(obs.attention, ref.attention, atol=2e-6, rtol=1e-4)
+    torch.testing.assert_close(obs.pv_norm, ref.pv_norm, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=1e-6, rtol=0)
+
+
+def test_observations_are_only_computed_when_asked(kernel):
+    case = random_case(2, 4, 2, 16, 5, 2, 8, torch.float32, seed=7)
+    out, obs = kernel.decode_attention(**case, scale=0.25)
+    assert obs.attention is None and obs.pv_norm is None and obs.sparsity is None
+    out_attn, obs = kernel.decode_attention(**case, scale=0.25, needs=Need.ATTENTION)
+    torch.testing.assert_close(out, out_attn)
+    ref_out, ref = reference(case, 0.25, Need.ATTENTION)
+    torch.testing.assert_close(obs.attention, ref.attention, atol=2e-6, rtol=1e-4)
+    assert obs.pv_norm is None and obs.sparsity is None
+
+
+def test_a_row_that_sees_nothing_gets_zeros(kernel):
+    case = random_case(2, 4, 2, 16, 4, 2, 8, torch.float32, seed=3, lengths=[4, 0])
+    case["region_valid"][case["table"][1].flatten()] = False  # row 1: no prefix, no valid slot
+    out, obs = kernel.decode_attention(**case, scale=0.25, needs=Need.ATTENTION)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(obs.attention[1], torch.zeros_like(obs.attention[1]))
+    assert torch.isfinite(out).all()
+
+
+def test_half_precision_inputs_stay_within_half_precision_error(kernel):
+    # fp16 here: the CPU interpreter mis-reads bf16 (NumPy has no bf16);
+    # bench/kernel_check.py checks bf16 on the GPU.
+    case = random_case(2, 8, 2, 32, 16, 2, 16, torch.float16, seed=11)
+    out, obs = kernel.decode_attention(**case, scale=32 ** -0.5, needs=Need.ATTENTION, num_splits=2)
+    ref_out, ref = reference(case, 32 ** -0.5, Need.ATTENTION)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(obs.attention, ref.attention, atol=2e-3, rtol=2e-2)
