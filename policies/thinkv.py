@@ -1,0 +1,233 @@
+"""`thinkv` (ThinKV, thinkv.txt §3-5): Think Before You Evict.
+
+Decode steps are cut into segments of `refresh` tokens; each segment gets a
+thought type (T, R, E) from the attention sparsity of its first step,
+averaged over the query heads and the calibrated layers L*
+(policies.thinkv_calibration). When a transition segment ends, every earlier
+segment is annealed to the next level of the retention schedule; when the
+request holds more than its budget, the oldest segment of the least
+important type is. The host decides the per-segment targets once per step
+(policies.thinkv_segments, in step_inputs); every layer then cuts the
+segments over target on the device, keeping the tokens nearest the
+centroids of a k-means over their post-RoPE keys (policies.thinkv_select).
+
+Host/device hand-off: the sparsity of a refresh step is written to a
+per-request device buffer [max_rows, layers] in the forward and read back
+by step_inputs at the next step (one small copy every `refresh` steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+from pydantic import Field, field_validator
+
+from . import thinkv_calibration as calib
+from .base import ModelInfo, Policy, PolicyParams, RequestState, StepRow
+from .observations import Need, to_device
+from .registry import register_policy
+from .thinkv_segments import SegmentBook, Thought, classify
+from .thinkv_select import segment_index, tbe_evict
+
+logger = logging.getLogger(__name__)
+
+#: Target of a segment a row does not have (never cut).
+_NO_TARGET = 1 << 40
+
+
+class ThinKVParams(PolicyParams):
+    refresh: int = Field(default=128, ge=1, le=65536, description="steps per thought segment")
+    retention: tuple[int, ...] = Field(default=(64, 32, 16, 8, 4), min_length=1, max_length=16,
+                                       description="tokens a segment keeps after its 1st, 2nd, ... anneal")
+    kmeans_iters: int = Field(default=8, ge=0, le=100, description="Lloyd iterations choosing the survivors")
+
+    @field_validator("retention")
+    @classmethod
+    def _descending(cls, retention: tuple[int, ...]) -> tuple[int, ...]:
+        if any(r < 1 for r in retention):
+            raise ValueError("every level must keep at least 1 token")
+        if any(a <= b for a, b in zip(retention, retention[1:])):
+            raise ValueError("must be strictly descending")
+        return retention
+
+
+class ThinKVState(RequestState):
+    def __init__(self, params: ThinKVParams, num_layers: int, num_kv_heads: int):
+        super().__init__(params, num_layers, num_kv_heads)
+        self.book: Optional[SegmentBook] = None
+        #: step_inputs may see one step twice (an extend builds groups twice):
+        #: the step's key and its row inputs, to answer the same again.
+        self.last_key: Optional[tuple] = None
+        self.last_row: Optional[tuple] = None
+        self.fallback: Optional[str] = None
+
+    def new_book(self) -> SegmentBook:
+        return SegmentBook(refresh=self.params.refresh, retention=self.params.retention)
+
+
+@register_policy
+class ThinKVPolicy(Policy):
+    name = "thinkv"
+    Params = ThinKVParams
+    needs = Need.SPARSITY | Need.KEYS
+    description = "Thought-typed segments annealed at each transition; k-means keeps representative tokens."
+
+    calibration: Optional[calib.Calibration] = None
+    _sparsity: Optional[torch.Tensor] = None  # [max_rows, layers] float32, the refresh step's sparsity
+
+    # ----- model and calibration (once per process) ---------------------------
+    def bind_model(self, info: ModelInfo) -> None:
+        super().bind_model(info)
+        self.use_calibration(calib.lookup(info.name, info.num_layers))
+
+    def use_calibration(self, calibration: calib.Calibration) -> None:
+        self.calibration = calibration
+        self._layer_set = frozenset(calibration.layers)
+        if calibration.fallback:
+            logger.warning("thinkv: no calibration for model %r (%s); using the fallback layers %s and "
+                           "thresholds %s. Run `kvsieve calibrate thinkv --model DIR` to calibrate.",
+                           calibration.model, calibration.fallback, list(calibration.layers),
+                           calibration.thresholds)
+        else:
+            logger.warning("thinkv: model %r calibrated: layers %s, thresholds %s", calibration.model,
+                           list(calibration.layers), calibration.thresholds)
+
+    def _calibration(self) -> calib.Calibration:
+        if self.calibration is None:  # never bound (unit use): a 1-layer fallback
+            self.use_calibration(calib.fallback("unknown", 1, "unbound"))
+        return self.calibration
+
+    # ----- per request ----------------------------------------------------------
+    def begin_request(self, params, num_layers, num_kv_heads) -> ThinKVState:
+        state = ThinKVState(params, num_layers, num_kv_heads)
+        state.fallback = self._calibration().fallback
+        if state.fallback:
+            _count_fallback(state.fallback.split(":", 1)[0])
+        return state
+
+    # ----- per step (host) ------------------------------------------------------
+    def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
+        self._read_thought_types(rows)
+        per_row = [self._advance(row) for row in rows]
+        cut = any(cuts for _, _, _, cuts in per_row)
+        # No row cuts in this step: empty targets, and the decisions skip the
+        # cut on that host-known shape.
+        K = max(len(t) for t, _, _, _ in per_row) if cut else 0
+        C = max(len(c) for _, _, c, _ in per_row) if cut else 0
+        targets = [t + [_NO_TARGET] * (K - len(t)) if K else [] for t, _, _, _ in per_row]
+        cseg = [[s for s, _ in c] + [-1] * (C - len(c)) for _, _, c, _ in per_row]
+        crank = [[j for _, j in c] + [0] * (C - len(c)) for _, _, c, _ in per_row]
+        return {
+            "targets": to_device(torch.tensor(targets, dtype=torch.int64).view(len(rows), K), torch.int64, device),
+            "prompt_segments": to_device([p for _, p, _, _ in per_row], torch.int64, device),
+            "centroid_segment": to_device(torch.tensor(cseg, dtype=torch.int64).view(len(rows), C), torch.int64,
+                                          device),
+            "centroid_rank": to_device(torch.tensor(crank, dtype=torch.int64).view(len(rows), C), torch.int64,
+                                       device),
+        }
+
+    def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int]], bool]:
+        """This step of one row: its segment targets, how many prompt
+        segments lead them, the centroids (segment, rank) of the segments it
+        cuts now, and whether it cuts any."""
+        state: ThinKVState = row.state
+        key = (row.prefill, row.step, row.private_tokens, row.budget)
+        if state.last_key == key:
+            return state.last_row
+        if row.prefill:
+            # The private prompt so far; the last call of a prefill has all of it.
+            book = state.book = state.new_book()
+            book.add_prompt(row.private_tokens)
+            before = [s.kept for s in book.segments]  # the device holds the whole prompt
+        else:
+            book = state.book
+            if book is None:
+                book = state.book = state.new_book()
+                prompt = row.private_tokens - (row.step + 1)
+                if prompt > 0:  # a prompt in the region whose selection this policy never saw
+                    book.add_prompt(prompt)
+            before = [s.kept for s in book.segments]  # what the device holds from earlier steps
+            k = row.step // book.refresh
+            if row.step and row.step % book.refresh == 0:
+                ended = book.generated(k - 1)
+                if ended is not None and ended.thought == Thought.TRANSITION:
+                    book.transition_ended(k - 1)  # case 1
+            book.add_generated(row.step)
+            if len(before) < len(book.segments):
+                before.append(0)
+            before[-1] += 1  # what the device holds once this step's token is stored
+        book.fit_budget(row.budget)
+        # The device cuts a segment to its target when it holds more; the
+        # newest segment's target counts the current token, which stays.
+        centroids, cuts = [], False
+        for i, (seg, had) in enumerate(zip(book.segments, before)):
+            if seg.kept < had:
+                cuts = True
+                keep = seg.kept - (i == len(book.segments) - 1)
+                centroids.extend((i, j) for j in range(keep))
+        result = (book.targets(), book.prompt_segments, centroids, cuts)
+        state.last_key, state.last_row = key, result
+        return result
+
+    def _read_thought_types(self, rows: list[StepRow]) -> None:
+        """Type the segments whose first step ran in the previous forward:
+        one copy of their rows' recorded sparsity to the host."""
+        due = [row for row in rows if not row.prefill and row.state.book is not None
+               and row.step >= 1 and (row.step - 1) % row.state.book.refresh == 0
+               and (g := row.state.book.generated((row.step - 1) // row.state.book.refresh)) is not None
+               and g.thought is None]
+        if not due or self._sparsity is None:
+            return
+        cal = self._calibration()
+        layers = torch.tensor(cal.layers, dtype=torch.int64, device=self._sparsity.device)
+        index = torch.tensor([row.pool_row for row in due], dtype=torch.int64, device=self._sparsity.device)
+        values = self._sparsity[index][:, layers].mean(-1).cpu().tolist()  # between steps: a sync is fine here
+        for row, value in zip(due, values):
+            seg = row.state.book.generated((row.step - 1) // row.state.book.refresh)
+            if not math.isnan(value):
+                seg.thought = classify(value, *cal.thresholds)
+
+    # ----- per layer (device) ---------------------------------------------------
+    def _record_sparsity(self, batch, obs) -> None:
+        if batch.layer not in self._calibration().layers or obs.sparsity is None or batch.pool_rows is None:
+            return
+        layers = self.model.num_layers if self.model is not None else batch.layer + 1
+        if self._sparsity is None or self._sparsity.shape[0] < batch.max_rows or self._sparsity.shape[1] < layers:
+            self._sparsity = torch.full((max(batch.max_rows, 1), layers), float("nan"),
+                                        device=obs.sparsity.device)
+        first_step = (batch.step % batch.param("refresh")) == 0  # [R]
+        held = self._sparsity[batch.pool_rows, batch.layer]
+        self._sparsity[batch.pool_rows, batch.layer] = torch.where(first_step, obs.sparsity.float().mean(-1), held)
+
+    def _cut(self, batch, view, prefill: bool):
+        inputs = batch.inputs
+        if inputs["targets"].shape[1] == 0:  # host-known shape: nothing to cut in this step
+            return None
+        newest = torch.where(view.valid, view.position, torch.full_like(view.position, -1)).amax(dim=(1, 2))
+        # Decode step 0's token sits at gen_start; a prefill ends just before it.
+        gen_start = newest + 1 if prefill else newest - batch.step
+        seg = segment_index(view.position, gen_start, batch.param("refresh"), inputs["prompt_segments"])
+        current = view.valid & (view.position == newest.view(-1, 1, 1))
+        return tbe_evict(view.valid, view.position, view.keys, seg, current, inputs["targets"],
+                         inputs["centroid_segment"], inputs["centroid_rank"], batch.param("kmeans_iters"),
+                         batch.max_param("kmeans_iters"))
+
+    def select_prefill(self, batch, view, obs):
+        return self._cut(batch, view, prefill=True)
+
+    def select_decode(self, batch, view, obs):
+        self._record_sparsity(batch, obs)
+        return self._cut(batch, view, prefill=False)
+
+
+def _count_fallback(reason: str) -> None:
+    """kvsieve_policy_fallback_total{policy="thinkv", reason}: defined with the
+    engine's metrics; absent (no prometheus_client) outside the engine."""
+    try:
+        from kvsieve.radix_ext.metrics import POLICY_FALLBACKS
+    except ImportError:
+        return
+    POLICY_FALLBACKS.labels(ThinKVPolicy.name, reason).inc()
