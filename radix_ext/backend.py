@@ -25,16 +25,22 @@ rows, heads, slots or tokens and no host-device sync.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from kvsieve.kernels.attention_ref import attend_rows
+from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.policies import Need, Observations, SlotView
 
 from .model_info import build_model_info
 from .runtime import RUNTIME
 from .step_meta import StepBuilder, StepMeta
+
+logger = logging.getLogger(__name__)
 
 #: Prompt queries attended together: bounds the [rows, queries, heads, slots] logits.
 EXTEND_QUERY_BLOCK = 256
@@ -67,6 +73,15 @@ class KvsieveAttnBackend(AttentionBackend):
             RUNTIME.model_info = build_model_info(model_runner, pool.layer_num, pool.head_num, pool.head_dim)
         self.steps = StepBuilder(self.pages, model_runner.req_to_token_pool.req_to_token, self.device)
         self.step: StepMeta | None = None
+        #: Decode attention of compressed rows: the Triton kernel on GPU, the
+        #: PyTorch reference on CPU (KVSIEVE_DECODE_KERNEL=torch|triton overrides).
+        choice = os.environ.get("KVSIEVE_DECODE_KERNEL", "triton" if self.device == "cuda" else "torch")
+        if choice not in ("triton", "torch"):
+            raise ValueError(f"KVSIEVE_DECODE_KERNEL must be 'triton' or 'torch', not {choice!r}")
+        self.use_kernel = choice == "triton"
+        logger.warning("kvsieve: compressed rows' decode attention runs %s",
+                       "the Triton kernel (kernels/decode_attention.py)" if self.use_kernel
+                       else "the PyTorch reference (kernels/attention_ref.py)")
 
         # Token ids and the last layer's hidden states reach policies from
         # the input of the model's logits processor, which every SGLang
@@ -175,16 +190,25 @@ class KvsieveAttnBackend(AttentionBackend):
         v = self.token_to_kv_pool.get_value_buffer(layer.layer_id)[slots]
         return k, v  # [R, P, H, D]
 
-    def _slots(self, table):
-        """The view of the slots of page-table rows `table` [R, H, M]: K, V
-        [R, H, S, D] and the SlotView [R, H, S]."""
-        p = self.pages
+    def _flat(self, buffer, table):
+        """buffer's slots of page-table rows `table` [R, H, M], as [R, H, S, ...]."""
         R, H, M = table.shape
-        flat = lambda t: t[table].reshape(R, H, M * p.config.page_size, *t.shape[2:])  # noqa: E731
-        k = flat(p.k)
-        view = SlotView(valid=flat(p.valid), position=flat(p.position), score=flat(p.score),
-                        last_hit=flat(p.last_hit), keys=k)
-        return k, flat(p.v), view
+        return buffer[table].reshape(R, H, M * self.pages.config.page_size, *buffer.shape[2:])
+
+    def _view(self, table, keys: bool) -> SlotView:
+        """The policies' view of the slots of page-table rows `table`; the
+        keys (a gather of every slot's K) only when a policy reads them."""
+        p = self.pages
+        return SlotView(valid=self._flat(p.valid, table), position=self._flat(p.position, table),
+                        score=self._flat(p.score, table), last_hit=self._flat(p.last_hit, table),
+                        keys=self._flat(p.k, table) if keys else None)
+
+    def _slots(self, table):
+        """K, V [R, H, S, D] of the slots of page-table rows `table` and their SlotView."""
+        k = self._flat(self.pages.k, table)
+        view = self._view(table, keys=False)
+        view.keys = k
+        return k, self._flat(self.pages.v, table), view
 
     def _decode_region(self, q3, k3, v3, o3, layer, step):
         rows, p = step.region, self.pages
@@ -206,11 +230,19 @@ class KvsieveAttnBackend(AttentionBackend):
         p.score[page, offset] = p.const_zero
         p.last_hit[page, offset] = p.const_zero_int
         # 2. Attention over prefix + region, with the observations asked for.
-        rk, rv, view = self._slots(table)
-        pk, pv = self._prefix_kv(layer, rows)
-        out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv, view.valid.unsqueeze(1),
-                               layer.scaling, rows.needs)
-        o3[idx] = out[:, 0].to(o3.dtype)
+        if self.use_kernel:
+            pool = self.token_to_kv_pool
+            out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
+                                        pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
+                                        p.k, p.v, p.valid, table, layer.scaling, rows.needs)
+            o3[idx] = out.to(o3.dtype)
+            view = self._view(table, keys=bool(rows.needs & Need.KEYS))
+        else:
+            rk, rv, view = self._slots(table)
+            pk, pv = self._prefix_kv(layer, rows)
+            out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv,
+                                   view.valid.unsqueeze(1), layer.scaling, rows.needs)
+            o3[idx] = out[:, 0].to(o3.dtype)
         # 3-4. Decide and evict.
         self._decide(layer, table, view, obs, rows.groups, rows.keeps_state, rows.pool_rows, prefill=False)
 

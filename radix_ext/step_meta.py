@@ -69,6 +69,7 @@ class RegionRows:
     tables: torch.Tensor  # [R, L, H, M] page table of the rows
     prefix_slots: torch.Tensor  # [R, P] token-pool slots of the shared prefix (0: padding)
     prefix_mask: torch.Tensor  # [R, P] True where the row has a prefix token
+    prefix_lens: torch.Tensor  # [R] int64 prefix tokens of each row
     groups: list  # PolicyGroup per policy class present
     needs: Need  # observations any group asked for
     keeps_state: bool  # whether any group updates score / last_hit
@@ -187,8 +188,8 @@ class StepBuilder:
             needs |= g.policy.needs
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
-            prefix_slots=prefix_slots, prefix_mask=prefix_mask, groups=groups, needs=needs,
-            keeps_state=any(g.policy.keeps_slot_state for g in groups))
+            prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev), groups=groups,
+            needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups))
 
     # ----- the step ---------------------------------------------------------
     def build(self, forward_batch) -> Optional[StepMeta]:
