@@ -122,7 +122,9 @@ def main() -> None:
                "command": "python bench/gpu_batched.py " + " ".join(sys.argv[1:]),
                "setup": {"model": "R1-Distill-Qwen-7B architecture, dummy weights", "batch": BATCH,
                          "prompt_tokens": PROMPT, "generated_tokens": GEN, "budget": BUDGET,
-                         "cuda_graphs": False, "attention": "PyTorch reference (kernels/attention_ref.py)"},
+                         "cuda_graphs": False,
+                         "attention": "decode: KVSIEVE_DECODE_KERNEL (default triton: kernels/decode_attention.py); "
+                                      "extend: PyTorch reference (kernels/attention_ref.py)"},
                "runs": [], "profiles": {}, "checks": {}}
 
     def save():

@@ -11,6 +11,7 @@ On CPU it runs the same code (no syncs exist there): a smoke check.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -66,6 +67,8 @@ def probe(policy: str, rows: int, prompt: int, steps: int, device: str) -> dict:
     backend = object.__new__(KvsieveAttnBackend)
     backend.__dict__.update(inner=SimpleNamespace(), token_to_kv_pool=Pool(req_to_token.numel(), device),
                             num_layers=LAYERS, device=device, pages=RUNTIME.region, step=None,
+                            use_kernel=os.environ.get("KVSIEVE_DECODE_KERNEL",
+                                                      "triton" if device == "cuda" else "torch") == "triton",
                             steps=StepBuilder(RUNTIME.region, req_to_token, device))
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):
@@ -130,6 +133,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "command": "python bench/sync_probe.py " + " ".join(sys.argv[1:]),
+               "decode_kernel": os.environ.get("KVSIEVE_DECODE_KERNEL", "triton" if device == "cuda" else "torch"),
                "shapes": {"layers": LAYERS, "q_heads": HQ, "kv_heads": H, "head_dim": D},
                "probes": [probe(p, rows, prompt, steps, device) for p in ("streaming", "h2o", "snapkv", "longflow")]}
     with open(out, "w") as f:
