@@ -23,10 +23,12 @@ logger = logging.getLogger(__name__)
 ARTIFACT_KIND = "thinkv"
 #: Set by `kvsieve serve`: the model id the API serves, the artifact's key.
 SERVED_MODEL_ENV = "KVSIEVE_SERVED_MODEL_NAME"
-#: Thresholds of an uncalibrated model **(decision)**: the sparsity of a
-#: long decode is mostly above 0.5 (most keys get under 1% of the top one);
-#: these split that range in three.
-FALLBACK_THRESHOLDS = (0.6, 0.8)
+#: Thresholds of an uncalibrated model **(decision)**: in SmolLM2-135M's
+#: layers past the first third, a decode step's sparsity has a median of
+#: about 0.75-0.9 (prompts of service/calibrate.py, under 400 tokens of
+#: context; it grows with the context). Typical steps type as R, markedly
+#: sparser ones as T, markedly denser ones as E.
+FALLBACK_THRESHOLDS = (0.75, 0.9)
 #: Layers of an uncalibrated model **(decision)**: the 4 around two thirds of
 #: the depth, where attention is neither local (early) nor diffuse (late).
 FALLBACK_LAYER_COUNT = 4

@@ -1,5 +1,5 @@
 """The `kvsieve` command: serve (one process, or Ray Serve replicas),
-prepare-model, and the store's presets, keys and artifacts."""
+prepare-model, the store's presets, keys and artifacts, and calibrate."""
 
 from __future__ import annotations
 
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     sub.add_parser("prepare-model", help="convert the embedded default model (done by serve when needed)")
     _store_parsers(sub)
+    from .calibrate import add_parser as _calibrate_parser
+
+    _calibrate_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=(getattr(args, "log_level", None) or "warning").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -221,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     from .store import StoreUnavailable
 
     try:
+        if args.command == "calibrate":
+            from .calibrate import run as calibrate
+
+            return calibrate(args, lambda: _open_store(args))
         return {"presets": _presets, "keys": _keys, "artifacts": _artifacts}[args.command](args)
     except (ConfigError, StoreUnavailable) as exc:
         print(f"kvsieve {args.command}: {exc}", file=sys.stderr)
