@@ -112,27 +112,38 @@ class ThinKVPolicy(Policy):
     def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
         self._read_thought_types(rows)
         per_row = [self._advance(row) for row in rows]
-        cut = any(cuts for _, _, _, cuts in per_row)
+        cut = any(cuts for _, _, cuts in per_row)
         # No row cuts in this step: empty targets, and the decisions skip the
-        # cut on that host-known shape.
-        K = max(len(t) for t, _, _, _ in per_row) if cut else 0
-        C = max(len(c) for _, _, c, _ in per_row) if cut else 0
-        targets = [t + [_NO_TARGET] * (K - len(t)) if K else [] for t, _, _, _ in per_row]
-        cseg = [[s for s, _ in c] + [-1] * (C - len(c)) for _, _, c, _ in per_row]
-        crank = [[j for _, j in c] + [0] * (C - len(c)) for _, _, c, _ in per_row]
+        # cut on that host-known shape. Else the shapes carry the host's
+        # bounds: Kc cut segments, N tokens held, T tokens kept (per segment).
+        K = max(len(t) for t, _, _ in per_row) if cut else 0
+        Kc = max(len(c) for _, _, c in per_row) if cut else 0
+        N = max((had for _, _, c in per_row for _, had, _ in c), default=0)
+        T = max((keep for _, _, c in per_row for _, _, keep in c), default=0)
+        R = len(rows)
+        targets = torch.full((R, K), _NO_TARGET, dtype=torch.int64)
+        cut_segments = torch.full((R, Kc), -1, dtype=torch.int64)
+        members = torch.zeros((R, Kc, N), dtype=torch.bool)
+        centroids = torch.zeros((R, Kc, T), dtype=torch.bool)
+        for r, (row_targets, _, cuts) in enumerate(per_row):
+            if K:
+                targets[r, :len(row_targets)] = torch.tensor(row_targets, dtype=torch.int64)
+            for c, (index, had, keep) in enumerate(cuts):
+                cut_segments[r, c] = index
+                members[r, c, :had] = True
+                centroids[r, c, :keep] = True
         return {
-            "targets": to_device(torch.tensor(targets, dtype=torch.int64).view(len(rows), K), torch.int64, device),
-            "prompt_segments": to_device([p for _, p, _, _ in per_row], torch.int64, device),
-            "centroid_segment": to_device(torch.tensor(cseg, dtype=torch.int64).view(len(rows), C), torch.int64,
-                                          device),
-            "centroid_rank": to_device(torch.tensor(crank, dtype=torch.int64).view(len(rows), C), torch.int64,
-                                       device),
+            "targets": to_device(targets, torch.int64, device),
+            "prompt_segments": to_device([p for _, p, _ in per_row], torch.int64, device),
+            "cut_segments": to_device(cut_segments, torch.int64, device),
+            "cut_members": to_device(members, torch.bool, device),
+            "cut_centroids": to_device(centroids, torch.bool, device),
         }
 
-    def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int]], bool]:
+    def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int, int]]]:
         """This step of one row: its segment targets, how many prompt
-        segments lead them, the centroids (segment, rank) of the segments it
-        cuts now, and whether it cuts any."""
+        segments lead them, and the segments it cuts now as (index, tokens
+        held, tokens kept), both beside the current token."""
         state: ThinKVState = row.state
         key = (row.prefill, row.step, row.private_tokens, row.budget)
         if state.last_key == key:
@@ -161,14 +172,11 @@ class ThinKVPolicy(Policy):
             before[-1] += 1  # what the device holds once this step's token is stored
         book.fit_budget(row.budget)
         # The device cuts a segment to its target when it holds more; the
-        # newest segment's target counts the current token, which stays.
-        centroids, cuts = [], False
-        for i, (seg, had) in enumerate(zip(book.segments, before)):
-            if seg.kept < had:
-                cuts = True
-                keep = seg.kept - (i == len(book.segments) - 1)
-                centroids.extend((i, j) for j in range(keep))
-        result = (book.targets(), book.prompt_segments, centroids, cuts)
+        # newest segment holds the current token, which stays.
+        newest = len(book.segments) - 1
+        cuts = [(i, had - (i == newest), seg.kept - (i == newest))
+                for i, (seg, had) in enumerate(zip(book.segments, before)) if seg.kept < had]
+        result = (book.targets(), book.prompt_segments, cuts)
         state.last_key, state.last_row = key, result
         return result
 
@@ -212,8 +220,8 @@ class ThinKVPolicy(Policy):
         seg = segment_index(view.position, gen_start, batch.param("refresh"), inputs["prompt_segments"])
         current = view.valid & (view.position == newest.view(-1, 1, 1))
         return tbe_evict(view.valid, view.position, view.keys, seg, current, inputs["targets"],
-                         inputs["centroid_segment"], inputs["centroid_rank"], batch.param("kmeans_iters"),
-                         batch.max_param("kmeans_iters"))
+                         inputs["cut_segments"], inputs["cut_members"], inputs["cut_centroids"],
+                         batch.param("kmeans_iters"), batch.max_param("kmeans_iters"))
 
     def select_prefill(self, batch, view, obs):
         return self._cut(batch, view, prefill=True)

@@ -1,14 +1,19 @@
 """ThinKV's eviction on the device: each (row, head) cuts every segment that
 holds more than its target down to the target, keeping the real tokens
 nearest the centroids of a k-means over the segment's post-RoPE keys
-(ThinKV §4.3, appendix D.4). Batched over rows, heads, segments and
+(ThinKV §4.3, appendix D.4). Batched over rows, heads, cut segments and
 centroids at once: no loop over any of them, no host sync.
 
 Inputs come from the host (policies.thinkv_segments through step_inputs):
-per row the segment targets, and a table of centroids naming the segment
-each one clusters (the host knows which segments anneal in this step). A
-slot's segment follows from its position: decode step (position -
-gen_start) // refresh, where gen_start is the position of decode step 0.
+per row the segment targets and the segments it cuts in this step. A slot's
+segment follows from its position: decode step (position - gen_start) //
+refresh, where gen_start is the position of decode step 0.
+
+Layout: the k-means works segment by segment: the slots of each cut
+segment are gathered in position order into [R, H, Kc, N] (Kc cut segments,
+N their largest size, at most `refresh`) against [R, H, Kc, T] centroids (T
+the largest target), so its distance tensor is [R, H, Kc, N, T], never
+[slots x centroids] of the whole head.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from .observations import ranks_of
 
 _BIG = 1 << 40  # segment stride in sort keys (positions stay far below it)
+_LAST = torch.iinfo(torch.int64).max
 
 
 def segment_index(position: torch.Tensor, gen_start: torch.Tensor, refresh: torch.Tensor,
@@ -30,74 +36,72 @@ def segment_index(position: torch.Tensor, gen_start: torch.Tensor, refresh: torc
     return torch.div(rel, refresh.view(-1, 1, 1), rounding_mode="floor") + prompt_segments.view(-1, 1, 1)
 
 
-def _rank_in_segment(eligible: torch.Tensor, seg: torch.Tensor, order_key: torch.Tensor, K: int) -> torch.Tensor:
-    """Rank of each eligible slot among the eligible slots of its segment,
-    by ascending order_key (ties: lower slot). [R, H, S]."""
-    key = torch.where(eligible, seg * _BIG + order_key, torch.full_like(seg, torch.iinfo(torch.int64).max))
-    rank = ranks_of(key, descending=False)
+def _segment_starts(eligible: torch.Tensor, seg: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eligible slots per segment [R, H, K] and how many eligible slots lie
+    in earlier segments (the segment's first index once sorted by segment)."""
     per_seg = torch.zeros((*seg.shape[:-1], K), dtype=torch.int64, device=seg.device)
     per_seg.scatter_add_(-1, seg, eligible.long())
-    start = per_seg.cumsum(-1) - per_seg  # eligible slots in earlier segments
-    return rank - start.gather(-1, seg)
+    return per_seg, per_seg.cumsum(-1) - per_seg
 
 
-def kmeans_medoids(keys: torch.Tensor, member: torch.Tensor, init_slot: torch.Tensor, iters: torch.Tensor,
-                   max_iters: int) -> torch.Tensor:
-    """Lloyd's k-means, batched: slot s of (row, head) may join centroid c
-    where member[r, h, s, c]; centroids start at the keys of init_slot
-    [R, H, C]; row r runs iters[r] updates (the loop runs max_iters, a host
-    bound, and freezes finished rows, so a row's result never depends on
-    the others'). Returns [R, H, S] bool: for each non-empty cluster, the
-    member slot nearest its final centroid (a real token, kept with its
-    value)."""
-    k = keys.float()  # [R, H, S, D]
-    centroids = k.gather(2, init_slot.unsqueeze(-1).expand(*init_slot.shape, k.shape[-1]))  # [R, H, C, D]
-    sq = (k * k).sum(-1, keepdim=True)  # [R, H, S, 1]
+def kmeans_medoids(keys: torch.Tensor, member: torch.Tensor, active: torch.Tensor, init: torch.Tensor,
+                   iters: torch.Tensor, max_iters: int) -> torch.Tensor:
+    """Lloyd's k-means in every (row, head, segment) at once.
+
+    keys [R, H, Kc, N, D] the segments' keys; member [R, H, Kc, N] which are
+    real; active [R, H, Kc, T] which centroids exist; init [R, H, Kc, T]
+    the member index each centroid starts at. Row r runs iters[r] updates
+    (the loop runs max_iters, a host bound, and freezes finished rows, so a
+    row's result never depends on the others'). Returns, per centroid, the
+    index of the member nearest it at the end (its medoid: a real token,
+    kept with its value) [R, H, Kc, T], and whether its cluster is non-empty."""
+    k = keys.float()
+    D = k.shape[-1]
+    centroids = k.gather(3, init.unsqueeze(-1).expand(*init.shape, D))  # [R, H, Kc, T, D]
+    pair = member.unsqueeze(-1) & active.unsqueeze(-2)  # [R, H, Kc, N, T]
+    sq = (k * k).sum(-1, keepdim=True)
     inf = torch.tensor(float("inf"), device=k.device)
+    ids = torch.arange(active.shape[-1], device=k.device)
 
-    def distances(c):
-        d = sq - 2 * torch.einsum("rhsd,rhcd->rhsc", k, c) + (c * c).sum(-1).unsqueeze(2)
-        return torch.where(member, d, inf)
+    def assignment(c):
+        d = sq - 2 * torch.einsum("rhknd,rhktd->rhknt", k, c) + (c * c).sum(-1).unsqueeze(-2)
+        d = torch.where(pair, d, inf)
+        return d, pair & (ids == d.argmin(-1, keepdim=True))  # ties: the lower centroid
 
-    clusters = torch.arange(member.shape[-1], device=k.device)
-    for i in range(max_iters + 1):
-        assign = distances(centroids).argmin(-1, keepdim=True)  # [R, H, S, 1]; ties: lower centroid
-        onehot = member & (clusters == assign)
-        if i == max_iters:
-            break
-        counts = onehot.sum(2)  # [R, H, C]
-        sums = torch.einsum("rhsc,rhsd->rhcd", onehot.float(), k)
-        # An empty cluster keeps its centroid (it has no medoid, see below).
+    for i in range(max_iters):
+        _, onehot = assignment(centroids)
+        counts = onehot.sum(-2)  # [R, H, Kc, T]
+        sums = torch.einsum("rhknt,rhknd->rhktd", onehot.float(), k)
+        # An empty cluster keeps its centroid (and gets no medoid, see below).
         moved = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
-        centroids = torch.where((i < iters).view(-1, 1, 1, 1), moved, centroids)
-    # A medoid is the nearest member of its own cluster under the final
-    # centroids, so no two clusters share one.
-    counts = onehot.sum(2)
-    dist = torch.where(onehot, distances(centroids), inf)
-    nearest = dist.argmin(2)  # [R, H, C]
-    medoid = torch.zeros(member.shape[:-1], dtype=torch.int64, device=k.device)
-    medoid.scatter_add_(-1, nearest, (counts > 0).long())
-    return medoid > 0
+        centroids = torch.where((i < iters).view(-1, 1, 1, 1, 1), moved, centroids)
+    dist, onehot = assignment(centroids)
+    # A medoid is the nearest member of its own cluster: no two clusters share one.
+    nearest = torch.where(onehot, dist, inf).argmin(-2)  # [R, H, Kc, T]
+    return nearest, onehot.any(-2)
 
 
 def tbe_evict(valid: torch.Tensor, position: torch.Tensor, keys: Optional[torch.Tensor], seg: torch.Tensor,
-              current: torch.Tensor, targets: torch.Tensor, centroid_segment: torch.Tensor,
-              centroid_rank: torch.Tensor, iters: torch.Tensor, max_iters: int) -> torch.Tensor:
+              current: torch.Tensor, targets: torch.Tensor, cut_segments: torch.Tensor, cut_members: torch.Tensor,
+              cut_centroids: torch.Tensor, iters: torch.Tensor, max_iters: int) -> torch.Tensor:
     """The eviction mask [R, H, S] of one layer.
 
     valid/position/seg/current [R, H, S] (seg: each slot's segment index,
     current: the row's newest token, never evicted); keys [R, H, S, D] or
     None; targets [R, K] tokens kept per segment, the current token
-    included; centroid_segment [R, C] the segment each centroid clusters
-    (-1: unused) and centroid_rank [R, C] its index within that segment;
-    iters [R] k-means updates per row (max_iters: their maximum, on the host).
+    included. From the host, for the Kc segments each row cuts now:
+    cut_segments [R, Kc] their index (-1: padding), cut_members [R, Kc, N]
+    (index < tokens it holds beside the current one) and cut_centroids
+    [R, Kc, T] (index < tokens it keeps beside the current one); iters [R]
+    k-means updates (max_iters: their maximum, on the host).
 
     A segment holding more than its target keeps, per (row, head): the
     medoids of a k-means over its keys with one centroid per kept token,
-    then (only when a cluster ended empty, or with no keys) its newest
-    tokens up to the target. Init: centroid j of a segment whose n tokens
-    must become t starts at its token of position rank floor((2j+1)n/(2t))
-    (spread evenly in time; deterministic, so no seed is needed)."""
+    then (where a cluster ended empty, for a segment the host did not
+    list, or with no keys) its newest tokens up to the target. Centroid j
+    of a segment whose n tokens become t starts at its token of position
+    rank floor((2j+1)n/(2t)): spread evenly in time and deterministic, so
+    no random seed is involved."""
     R, H, S = valid.shape
     K = targets.shape[1]
     if K == 0:  # no target this step: nothing to cut
@@ -106,31 +110,42 @@ def tbe_evict(valid: torch.Tensor, position: torch.Tensor, keys: Optional[torch.
     candidate = valid & ~current
     # The current token counts against its segment's target.
     cur_seg = torch.where(current, seg, torch.zeros_like(seg)).amax(dim=(1, 2))  # [R]
-    has_current = current.any(-1).any(-1)
+    has_current = current.flatten(1).any(-1).long()
     seg_target = targets.unsqueeze(1).expand(R, H, K).clone()
-    seg_target.scatter_add_(-1, cur_seg.view(R, 1, 1).expand(R, H, 1), -has_current.long().view(R, 1, 1).expand(R, H, 1))
-    count = torch.zeros((R, H, K), dtype=torch.int64, device=valid.device)
-    count.scatter_add_(-1, seg, candidate.long())
+    seg_target.scatter_add_(-1, cur_seg.view(R, 1, 1).expand(R, H, 1), -has_current.view(R, 1, 1).expand(R, H, 1))
+    count, _ = _segment_starts(candidate, seg, K)
     over = candidate & (count > seg_target).gather(-1, seg)  # slots of segments to cut
 
     medoid = torch.zeros_like(over)
-    C = centroid_segment.shape[1]
-    if C and keys is not None:
-        cseg = centroid_segment.view(R, 1, 1, C)
-        member = over.unsqueeze(-1) & (seg.unsqueeze(-1) == cseg)  # [R, H, S, C]
-        rank = _rank_in_segment(over, seg, position, K)
-        safe = centroid_segment.clamp(min=0).view(R, 1, C).expand(R, H, C)
-        n, t = count.gather(-1, safe), seg_target.gather(-1, safe).clamp(min=1)
-        init_rank = ((2 * centroid_rank.view(R, 1, C) + 1) * n) // (2 * t)  # [R, H, C]
-        at_init = member & (rank.unsqueeze(-1) == init_rank.unsqueeze(2))
-        init_slot = at_init.int().argmax(2)  # [R, H, C] (0 for an unused centroid: it has no members)
-        medoid = kmeans_medoids(keys, member, init_slot, iters, max_iters) & over
+    Kc, N, T = cut_members.shape[1], cut_members.shape[2], cut_centroids.shape[2]
+    if keys is not None and Kc and N and T:
+        # Each cut segment's slots in position order: sort by (segment, position).
+        order = torch.where(over, seg * _BIG + position, torch.full_like(seg, _LAST)).argsort(-1)
+        _, start = _segment_starts(over, seg, K)
+        cs = cut_segments.clamp(min=0).view(R, 1, Kc).expand(R, H, Kc)
+        listed = (cut_segments >= 0).view(R, 1, Kc) & (count > seg_target).gather(-1, cs)
+        n, t = count.gather(-1, cs), seg_target.gather(-1, cs)  # [R, H, Kc]
+        idx = torch.arange(N, device=valid.device)
+        member = listed.unsqueeze(-1) & cut_members.unsqueeze(1) & (idx < n.unsqueeze(-1))  # [R, H, Kc, N]
+        where = (start.gather(-1, cs).unsqueeze(-1) + idx).clamp(max=S - 1)
+        slot = order.gather(-1, where.flatten(2)).view(R, H, Kc, N)
+        seg_keys = keys.gather(2, slot.flatten(2).unsqueeze(-1).expand(R, H, Kc * N, keys.shape[-1]))
+        j = torch.arange(T, device=valid.device)
+        active = listed.unsqueeze(-1) & cut_centroids.unsqueeze(1) & (j < t.unsqueeze(-1))  # [R, H, Kc, T]
+        init = ((2 * j + 1) * n.unsqueeze(-1)) // (2 * t.clamp(min=1).unsqueeze(-1))
+        nearest, nonempty = kmeans_medoids(seg_keys.view(R, H, Kc, N, -1), member, active,
+                                           init.clamp(max=N - 1), iters, max_iters)
+        kept_slot = slot.gather(-1, nearest)  # [R, H, Kc, T]
+        hits = torch.zeros((R, H, S), dtype=torch.int64, device=valid.device)
+        hits.scatter_add_(-1, kept_slot.flatten(2), (nonempty & active).long().flatten(2))
+        medoid = (hits > 0) & over
 
     # Fill: where clusters ended empty (or no k-means ran), the newest tokens.
-    per_seg = torch.zeros_like(count)
-    per_seg.scatter_add_(-1, seg, medoid.long())
+    per_seg, _ = _segment_starts(medoid, seg, K)
     deficit = (seg_target - per_seg).gather(-1, seg)
     rest = over & ~medoid
-    newest_rank = _rank_in_segment(rest, seg, -position, K)
+    _, rest_start = _segment_starts(rest, seg, K)
+    key = torch.where(rest, seg * _BIG - position, torch.full_like(seg, _LAST))
+    newest_rank = ranks_of(key, descending=False) - rest_start.gather(-1, seg)
     fill = rest & (newest_rank < deficit)
     return over & ~(medoid | fill)

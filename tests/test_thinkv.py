@@ -140,13 +140,19 @@ def test_kmeans_keeps_the_token_nearest_each_cluster_centre():
     valid = position >= 0
     seg = torch.tensor([0, 0, 0, 0, 0, 0, 1, 0]).view(1, 1, 8)
     current = position == 6
-    evict = tbe_evict(valid, position, keys, seg, current, torch.tensor([[2, 1]]), torch.tensor([[0, 0]]),
-                      torch.tensor([[0, 1]]), torch.tensor([3]), 3)
+    cut = dict(targets=torch.tensor([[2, 1]]), cut_segments=torch.tensor([[0]]),
+               cut_members=torch.ones(1, 1, 6, dtype=torch.bool), cut_centroids=torch.ones(1, 1, 2, dtype=torch.bool),
+               iters=torch.tensor([3]), max_iters=3)
+    evict = tbe_evict(valid, position, keys, seg, current, **cut)
     assert position[evict].tolist() == [1, 2, 4, 5]
-    # Without keys (or centroids) the newest tokens of the segment stay.
-    evict = tbe_evict(valid, position, None, seg, current, torch.tensor([[2, 1]]), torch.tensor([[0, 0]]),
-                      torch.tensor([[0, 1]]), torch.tensor([3]), 3)
+    # Without keys the newest tokens of the segment stay.
+    evict = tbe_evict(valid, position, None, seg, current, **cut)
     assert position[evict].tolist() == [0, 1, 2, 3]
+    # A second head whose keys swap the clusters' order keeps the same medoids.
+    keys2 = torch.cat([keys, keys[:, :, [3, 4, 5, 0, 1, 2, 6, 7]]], dim=1)
+    two = lambda t: torch.cat([t, t], dim=1)  # noqa: E731
+    evict = tbe_evict(two(valid), two(position), keys2, two(seg), two(current), **cut)
+    assert two(position)[0, 1][evict[0, 1]].tolist() == [1, 2, 4, 5]  # (5,5) at 0 and (0,0) at 3
 
 
 # ----- the policy, as the engine drives it ----------------------------------------
@@ -154,16 +160,18 @@ H, D = 2, 4
 SPARSITY = {T_: 0.9, R_: 0.6, E_: 0.2}
 
 
-def drive(params, budgets, types, steps, seed=0, slots=None):
-    """Run decode steps 0..steps-1 of len(budgets) rows (prompts kept in the
-    radix cache: only generated tokens in the region, positions from 50).
-    Segment k of row r has sparsity SPARSITY[types[r][k]]. Yields after each
-    step (t, view, evict mask, policy, states)."""
+def drive(params, budgets, types, steps, seed=0, prompt=0):
+    """Run decode steps 0..steps-1 of len(budgets) rows, generated tokens at
+    positions 50, 51, ...; with `prompt`, the prompt's last `prompt` tokens
+    (positions 50-prompt..49) are private and selected first (prefill end,
+    yielded as step -1); the rest of it is shared (radix cache). Segment k
+    of row r has sparsity SPARSITY[types[r][k]]. Yields after each step
+    (t, view, evict mask, policy, states)."""
     cls = get_policy("thinkv")
     policy = cls()
     policy.use_calibration(Calibration(model="t", layers=(0,), thresholds=(0.45, 0.75)))
     R = len(budgets)
-    S = slots or max(budgets) + 2
+    S = max(max(budgets) + 2, prompt + 1)
     rows = [cls.Params(**p) for p in params]
     tensors, maxima = cls.batch_params(rows)
     states = [policy.begin_request(p, 1, H) for p in rows]
@@ -171,24 +179,38 @@ def drive(params, budgets, types, steps, seed=0, slots=None):
     view = SlotView(valid=torch.zeros(R, H, S, dtype=torch.bool), position=torch.full((R, H, S), -1),
                     score=torch.zeros(R, H, S), last_hit=torch.zeros(R, H, S, dtype=torch.int32),
                     keys=torch.zeros(R, H, S, D))
+    def batch(t, inputs):
+        return PolicyBatch(layer=0, budget=torch.tensor(budgets).view(R, 1).expand(R, H),
+                           step=torch.full((R,), max(t, 0)), params=tensors, maxima=maxima, inputs=inputs,
+                           pool_rows=torch.arange(R), max_rows=R)
+
+    def apply(evict):
+        if evict is not None:
+            view.valid &= ~evict
+            view.position[~view.valid] = -1
+
+    if prompt:
+        view.valid[:, :, :prompt] = True
+        view.position[:, :, :prompt] = torch.arange(50 - prompt, 50)
+        view.keys[:, :, :prompt] = torch.randn(R, H, prompt, D, generator=gen)
+        inputs = policy.step_inputs([StepRow(state=states[r], step=0, pool_row=r, budget=budgets[r], prefill=True,
+                                             private_tokens=prompt) for r in range(R)], "cpu")
+        evict = policy.select_prefill(batch(-1, inputs), view, Observations())
+        apply(evict)
+        yield -1, view, evict, policy, states
     for t in range(steps):
         step_rows = [StepRow(state=states[r], step=t, pool_row=r, budget=budgets[r], prefill=False,
-                             private_tokens=t + 1) for r in range(R)]
+                             private_tokens=prompt + t + 1) for r in range(R)]
         inputs = policy.step_inputs(step_rows, "cpu")
         free = (~view.valid).int().argmax(-1, keepdim=True)  # the region's store: first free slot
         assert (~view.valid).any(-1).all(), "a head ran out of slots"
         view.valid.scatter_(-1, free, True)
         view.position.scatter_(-1, free, 50 + t)
         view.keys.scatter_(2, free.unsqueeze(-1).expand(R, H, 1, D), torch.randn(R, H, 1, D, generator=gen))
-        batch = PolicyBatch(layer=0, budget=torch.tensor(budgets).view(R, 1).expand(R, H),
-                            step=torch.full((R,), t), params=tensors, maxima=maxima, inputs=inputs,
-                            pool_rows=torch.arange(R), max_rows=R)
         sparsity = torch.tensor([SPARSITY[types[r][min(t // rows[r].refresh, len(types[r]) - 1)]]
                                  for r in range(R)]).view(R, 1).expand(R, 2 * H)
-        evict = policy.select_decode(batch, view, Observations(sparsity=sparsity))
-        if evict is not None:
-            view.valid &= ~evict
-            view.position[~view.valid] = -1
+        evict = policy.select_decode(batch(t, inputs), view, Observations(sparsity=sparsity))
+        apply(evict)
         yield t, view, evict, policy, states
 
 
@@ -217,23 +239,25 @@ def test_policy_rows_follow_their_own_schedules_in_one_batch():
        retention=st.lists(st.integers(1, 12), min_size=1, max_size=4, unique=True),
        kinds=st.lists(st.sampled_from([R_, E_, T_]), min_size=1, max_size=12),
        iters=st.integers(0, 4),
-       seed=st.integers(0, 3))
+       seed=st.integers(0, 3),
+       prompt=st.integers(0, 30))
 def test_policy_never_exceeds_the_budget_never_evicts_the_current_token_and_is_deterministic(
-        budgets, refresh, retention, kinds, iters, seed):
+        budgets, refresh, retention, kinds, iters, seed, prompt):
     params = [{"refresh": refresh, "retention": tuple(sorted(retention, reverse=True)), "kmeans_iters": iters}
               for _ in budgets]
     types = [kinds[r:] + kinds[:r] for r in range(len(budgets))]  # each row its own order
     steps = 40
     masks = []
-    for t, view, evict, _, states in drive(params, budgets, types, steps, seed=seed):
+    for t, view, evict, _, states in drive(params, budgets, types, steps, seed=seed, prompt=prompt):
         held = view.valid.sum(-1)  # [R, H]
         assert (held <= torch.tensor(budgets).view(-1, 1)).all()
-        assert (view.position.amax(dim=-1) == 50 + t).all()  # the current token is there in every head
+        assert (view.position.amax(dim=-1) == 50 + t).all()  # the current (or last prompt) token, in every head
         # The device holds exactly what the host decided, in every head.
         for r, state in enumerate(states):
             assert (held[r] == state.book.held).all()
         masks.append(None if evict is None else evict.clone())
-    again = [None if e is None else e.clone() for _, _, e, _, _ in drive(params, budgets, types, steps, seed=seed)]
+    again = [None if e is None else e.clone()
+             for _, _, e, _, _ in drive(params, budgets, types, steps, seed=seed, prompt=prompt)]
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(masks, again))
 
 
