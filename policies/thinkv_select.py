@@ -60,7 +60,7 @@ def kmeans_medoids(keys: torch.Tensor, member: torch.Tensor, active: torch.Tenso
     centroids = k.gather(3, init.unsqueeze(-1).expand(*init.shape, D))  # [R, H, Kc, T, D]
     pair = member.unsqueeze(-1) & active.unsqueeze(-2)  # [R, H, Kc, N, T]
     sq = (k * k).sum(-1, keepdim=True)
-    inf = torch.tensor(float("inf"), device=k.device)
+    inf = k.new_full((), float("inf"))  # a fill, not a host-to-device copy
     ids = torch.arange(active.shape[-1], device=k.device)
 
     def assignment(c):
