@@ -116,7 +116,8 @@ def correctness() -> list[dict]:
             case = region_case(R, Hq, Hkv, N, prefix=prefix, seed=R + N, density=density)
             scale = D ** -0.5
             poison()
-            out, obs = decode_attention(**case, scale=scale, needs=all_needs)
+            vnorm = case["region_v"].float().abs().sum(-1)
+            out, obs = decode_attention(**case, scale=scale, needs=all_needs, region_vnorm=vnorm)
             ref_out, ref = reference(case, scale, all_needs)
             errors = {
                 "out": (out.float() - ref_out).abs().max().item(),
@@ -127,7 +128,8 @@ def correctness() -> list[dict]:
             finite = bool(torch.isfinite(out).all() and torch.isfinite(obs.attention).all())
             # bf16 inputs and output: the output is rounded to bf16 (8 bits);
             # probabilities come from fp32 logits of bf16 products.
-            ok = finite and errors["out"] < 3e-2 and errors["attention"] < 1e-2 and errors["pv_norm_rel"] < 2e-2 \
+            # Observations come from fp16 logits relative to their block's max.
+            ok = finite and errors["out"] < 3e-2 and errors["attention"] < 1e-3 and errors["pv_norm_rel"] < 1e-2 \
                 and errors["sparsity"] < 2e-2
             checks.append({"model": model, "rows": R, "region_tokens": N, "prefix": prefix, "density": density,
                            "max_abs_error": errors, "finite": finite, "ok": ok})
@@ -158,6 +160,7 @@ def sglang_case(R, Hq, Hkv, N):
 
 def timings(copy_gbs: float, quick: bool) -> list[dict]:
     rows = []
+    tunings = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (64, 4, 3)]  # (block, warps, stages)
     for model, (Hq, Hkv) in SHAPES.items():
         for R in BATCHES[:2] if quick else BATCHES:
             for N in TOKENS[:2] if quick else TOKENS:
@@ -168,38 +171,54 @@ def timings(copy_gbs: float, quick: bool) -> list[dict]:
                     rows.append(entry)
                     continue
                 case = region_case(R, Hq, Hkv, N, seed=1)
+                vnorm = case["region_v"].float().abs().sum(-1)
                 moved = kv_bytes + case["region_valid"][:-1].numel() + case["table"].numel() * 8 + \
                     R * Hq * D * 2 * 2
                 scale = D ** -0.5
                 best = None
-                for splits in [None, 1, 2, 4, 8, 16, 32]:
-                    ms = median_ms(lambda: decode_attention(**case, scale=scale, num_splits=splits))
-                    entry.setdefault("by_splits_ms", {})[str(splits or "auto")] = round(ms, 4)
-                    if best is None or ms < best[1]:
-                        best = (splits, ms)
-                auto_ms = entry["by_splits_ms"]["auto"]
-                entry["kernel_ms"] = auto_ms
-                entry["kernel_GBps"] = round(moved / auto_ms / 1e6, 1)
-                entry["kernel_share_of_copy_bw"] = round(moved / auto_ms / 1e6 / copy_gbs, 3)
-                entry["best_splits"] = best[0] or "auto"
+                for block, warps, stages in tunings:
+                    for splits in [None, 4, 8, 16, 32]:
+                        ms = median_ms(lambda: decode_attention(**case, scale=scale, num_splits=splits, block=block,
+                                                                num_warps=warps, num_stages=stages))
+                        key = f"block{block}-warps{warps}-stages{stages}-splits{splits or 'auto'}"
+                        entry.setdefault("tuning_ms", {})[key] = round(ms, 4)
+                        if best is None or ms < best[1]:
+                            best = ((block, warps, stages, splits), ms)
+                default_ms = entry["tuning_ms"]["block32-warps4-stages2-splitsauto"]
+                entry["kernel_ms"] = default_ms
+                entry["kernel_GBps"] = round(moved / default_ms / 1e6, 1)
+                entry["kernel_share_of_copy_bw"] = round(moved / default_ms / 1e6 / copy_gbs, 3)
+                entry["best"] = dict(zip(("block", "warps", "stages", "splits"), best[0]))
+                entry["best_ms"] = round(best[1], 4)
                 entry["best_GBps"] = round(moved / best[1] / 1e6, 1)
+                entry["best_share_of_copy_bw"] = round(moved / best[1] / 1e6 / copy_gbs, 3)
+                block, warps, stages, splits = best[0]
                 for name, needs in OBSERVED.items():
-                    ms = median_ms(lambda: decode_attention(**case, scale=scale, needs=needs, num_splits=best[0]))
+                    ms = median_ms(lambda: decode_attention(**case, scale=scale, needs=needs, region_vnorm=vnorm,
+                                                            num_splits=splits, block=block, num_warps=warps,
+                                                            num_stages=stages))
                     entry.setdefault("observed_ms", {})[name] = round(ms, 4)
                     entry.setdefault("observation_overhead", {})[name] = round(ms / best[1] - 1, 3)
-                del case
+                del case, vnorm
                 torch.cuda.empty_cache()
-                try:
-                    run, buffers = sglang_case(R, Hq, Hkv, N)
-                    ms = median_ms(run)
-                    entry["sglang_triton_ms"] = round(ms, 4)
-                    entry["sglang_triton_GBps"] = round((kv_bytes + R * N * 4) / ms / 1e6, 1)
-                    del buffers, run
-                except Exception as err:  # recorded, not fatal: the kernel's own numbers stand
-                    entry["sglang_triton_error"] = repr(err)[:300]
+                if R * N * Hkv * D >= 2**31:
+                    # SGLang's decode kernel indexes its buffers with int32 offsets
+                    # (an illegal address at 256 x 32K tokens in the first round).
+                    entry["sglang_triton_skipped"] = "buffer of >= 2^31 elements: int32 offsets in SGLang's kernel"
+                else:
+                    try:
+                        run, buffers = sglang_case(R, Hq, Hkv, N)
+                        ms = median_ms(run)
+                        entry["sglang_triton_ms"] = round(ms, 4)
+                        entry["sglang_triton_GBps"] = round((kv_bytes + R * N * 4) / ms / 1e6, 1)
+                        entry["sglang_triton_share_of_copy_bw"] = round((kv_bytes + R * N * 4) / ms / 1e6 / copy_gbs,
+                                                                        3)
+                        del buffers, run
+                    except Exception as err:  # recorded, not fatal: the kernel's own numbers stand
+                        entry["sglang_triton_error"] = repr(err)[:300]
                 torch.cuda.empty_cache()
                 rows.append(entry)
-                print(json.dumps(entry), flush=True)
+                print(json.dumps({k: v for k, v in entry.items() if k != "tuning_ms"}), flush=True)
     return rows
 
 

@@ -32,7 +32,10 @@ import triton.language as tl
 
 from kvsieve.policies.observations import Need, Observations
 
+from . import interpreter_compat
 from .attention_ref import SPARSITY_THRESHOLD
+
+interpreter_compat.apply()
 
 #: Keys per inner-loop block.
 BLOCK_N = 32
@@ -44,35 +47,35 @@ LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
 @triton.jit
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
-    PartO, PartM, PartL, Logits,
+    PartO, PartM, PartL, Logits, BlockMax,
     scale, P, S, keys_per_split, null_page,
     sq_r, sq_h,
     spk_n, spk_h, spv_n, spv_h,
     sps_r, srk_p, srk_o, srv_p, srv_o, sva_p,
     st_r, st_h,
     spo_r, spo_h, spo_s, spm_r, spm_h,
-    slg_r, slg_h,
+    slg_r, slg_h, sbm_r, sbm_h,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
 ):
+    """Grid (rows, kv heads, splits): one split of one row's keys for the G
+    query heads of one kv head; partial output, max and sum per query head."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, G_PAD)
     g_ok = g < G
+    hq = h * G + g
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    q = tl.load(Q + r * sq_r + (h * G + g)[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
+    q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     plen = tl.load(PrefixLen + r)
-    start = split * keys_per_split
+    start = split * keys_per_split  # a multiple of BLOCK
     end = tl.minimum(start + keys_per_split, P + S)
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
-    # A while loop, not range(): Triton's CPU interpreter cannot take a
-    # runtime bound in range() under NumPy 2 (the GPU compiles either).
-    n0 = start
-    while n0 < end:
+    for n0 in range(start, end, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         in_range = n < end
         in_prefix = in_range & (n < plen)
@@ -91,13 +94,18 @@ def _partial_kernel(
                              other=0.0))
         qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK]
         qk = tl.where(seen[None, :], qk, float("-inf"))
-        if STORE_PREFIX_LOGITS:
-            tl.store(Logits + r * slg_r + (h * G + g)[:, None] * slg_h + n[None, :], qk,
-                     mask=g_ok[:, None] & (in_range & (n < P))[None, :])
-        if STORE_REGION_LOGITS:
-            tl.store(Logits + r * slg_r + (h * G + g)[:, None] * slg_h + n[None, :], qk,
-                     mask=g_ok[:, None] & in_region[None, :])
         m_new = tl.maximum(m, tl.max(qk, 1))
+        if STORE_REGION_LOGITS or STORE_PREFIX_LOGITS:
+            # fp16 logits relative to the block's running max (<= 0, so fp16
+            # keeps them to ~1e-3 where the probability matters), and that max.
+            keep = in_range
+            if not STORE_PREFIX_LOGITS:
+                keep = in_region
+            if not STORE_REGION_LOGITS:
+                keep = in_range & (n < P)
+            tl.store(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :], (qk - m_new[:, None]).to(tl.float16),
+                     mask=g_ok[:, None] & keep[None, :])
+            tl.store(BlockMax + r * sbm_r + hq * sbm_h + n0 // BLOCK, m_new, mask=g_ok)
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
         v = tl.where(in_prefix[:, None],
@@ -108,8 +116,6 @@ def _partial_kernel(
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
-        n0 += BLOCK
-    hq = h * G + g
     tl.store(PartO + r * spo_r + hq[:, None] * spo_h + split * spo_s + dv[None, :], acc, mask=g_ok[:, None])
     tl.store(PartM + r * spm_r + hq * spm_h + split, m, mask=g_ok)
     tl.store(PartL + r * spm_r + hq * spm_h + split, l, mask=g_ok)
@@ -121,6 +127,7 @@ def _merge_kernel(
     num_splits, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
     DV: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """Grid (rows, query heads): the splits merged by their log-sum-exp."""
     r = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
@@ -141,21 +148,29 @@ def _merge_kernel(
 
 @triton.jit
 def _observe_kernel(
-    Logits, Lse, RowMax, RegV, Table, Valid, Attention, PvNorm, Sparse, Seen,
-    P, S, null_page, slg_r, slg_h, srv_p, srv_o, sva_p, st_r, st_h, sat_r, sat_h, Hq,
+    Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen,
+    P, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
+    sat_r, sat_h, Hq, log_sparsity,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-    ATTENTION: tl.constexpr, PV_NORM: tl.constexpr, SPARSITY: tl.constexpr, log_sparsity,
+    ATTENTION: tl.constexpr, PV_NORM: tl.constexpr, HAS_VNORM: tl.constexpr, SPARSITY: tl.constexpr,
 ):
-    """Grid (rows, kv heads, blocks of the P + S keys)."""
+    """Grid (rows, kv heads, key blocks from first_block): probabilities from
+    the stored logits and the final log-sum-exp."""
     r = tl.program_id(0)
     h = tl.program_id(1)
-    n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    block = first_block + tl.program_id(2)
+    n = block * BLOCK + tl.arange(0, BLOCK)
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     hq = h * G + g
     in_range = n < P + S
-    logits = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
-                     mask=g_ok[:, None] & in_range[None, :], other=float("-inf"))
+    region = in_range & (n >= P)
+    counted = in_range
+    if not SPARSITY:
+        counted = region
+    rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
+                  mask=g_ok[:, None] & counted[None, :], other=float("-inf")).to(tl.float32)
+    logits = rel + tl.load(BlockMax + r * sbm_r + hq * sbm_h + block, mask=g_ok, other=0.0)[:, None]
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
         seen = logits > float("-inf")
@@ -164,41 +179,42 @@ def _observe_kernel(
         tl.atomic_add(Seen + r * Hq + hq, tl.sum(seen.to(tl.float32), 1), mask=g_ok)
     if ATTENTION or PV_NORM:
         lse = tl.load(Lse + r * Hq + hq, mask=g_ok, other=0.0)
-        region = in_range & (n >= P)
         s = tl.where(region, n - P, 0)
-        mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf logits (unseen, padding heads): 0
+        mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf (unseen keys, padding heads): 0
         if ATTENTION:
             tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
         if PV_NORM:
             page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=region, other=null_page)
             off = s % PAGE
-            dv = tl.arange(0, DV)
-            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=region[:, None],
-                        other=0.0)
-            tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * tl.sum(tl.abs(v.to(tl.float32)), 1), mask=region)
+            if HAS_VNORM:
+                norm = tl.load(VNorm + page * svn_p + off, mask=region, other=0.0)
+            else:
+                dv = tl.arange(0, DV)
+                v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :],
+                            mask=region[:, None], other=0.0)
+                norm = tl.sum(tl.abs(v.to(tl.float32)), 1)
+            tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=region)
 
 
-def _splits(R: int, Hkv: int, keys: int, device) -> int:
-    """Chunks per (row, kv head): enough programs to fill the GPU, chunks of
-    at least a few blocks."""
-    if keys <= 0:
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
-    want = max(1, (2 * sms) // max(R * Hkv, 1))
-    return int(max(1, min(want, triton.cdiv(keys, 4 * BLOCK_N), 64)))
+def default_splits(keys: int) -> int:
+    """Chunks per (row, kv head): about 512 keys each, at most 16 (measured
+    on an H100: bench/results/gpu-kernels.json sweeps 1-32)."""
+    return int(max(1, min(16, triton.cdiv(max(keys, 1), 512))))
 
 
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
-                     needs: Need = Need.NONE, num_splits: int | None = None):
+                     needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
+                     block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
     layer); prefix_slots [R, P] int64 with prefix_len [R] (slots past a
     row's length are ignored); region_k/v [pages, page_size, D];
     region_valid [pages, page_size] bool; table [R, Hkv, M] the layer's page
-    table rows (the null page has no valid slot). Observations as
-    attention_ref.attend_rows gives them: attention, pv_norm [R, Hkv, M *
-    page_size], sparsity [R, Hq]."""
+    table rows (the null page has no valid slot); region_vnorm [pages,
+    page_size] fp32 ||v||_1 per slot if the region keeps it (else PV_NORM
+    reads V). Observations as attention_ref.attend_rows gives them:
+    attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq]."""
     R, Hq, D = q.shape
     Hkv = table.shape[1]
     G = Hq // Hkv
@@ -207,16 +223,19 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     PAGE = region_k.shape[1]
     S = table.shape[2] * PAGE
     dev = q.device
-    splits = num_splits or _splits(R, Hkv, P + S, dev)
-    per_split = triton.cdiv(max(P + S, 1), splits)
-    per_split = triton.cdiv(per_split, BLOCK_N) * BLOCK_N
+    keys = P + S
+    splits = num_splits or default_splits(keys)
+    per_split = triton.cdiv(triton.cdiv(max(keys, 1), splits), block) * block
+    splits = triton.cdiv(max(keys, 1), per_split)  # no empty split
     part_o = torch.empty((R, Hq, splits, DV), dtype=torch.float32, device=dev)
     part_m = torch.empty((R, Hq, splits), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     sparsity = bool(needs & Need.SPARSITY)
     region_obs = bool(needs & (Need.ATTENTION | Need.PV_NORM))
     observing = sparsity or region_obs
-    logits = torch.empty((R, Hq, P + S) if observing else (1, 1, 1), dtype=torch.float32, device=dev)
+    blocks = triton.cdiv(max(keys, 1), block)
+    logits = torch.empty((R, Hq, keys) if observing else (1, 1, 1), dtype=torch.float16, device=dev)
+    block_max = torch.empty((R, Hq, blocks) if observing else (1, 1, 1), dtype=torch.float32, device=dev)
     prefix_len = prefix_len.to(torch.int64)
     if P == 0:  # Triton wants a real buffer even where every load is masked
         prefix_slots = torch.zeros((R, 1), dtype=torch.int64, device=dev)
@@ -225,16 +244,17 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     G_PAD = max(16, triton.next_power_of_2(G))
     _partial_kernel[(R, Hkv, splits)](
         q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table,
-        part_o, part_m, part_l, logits,
+        part_o, part_m, part_l, logits, block_max,
         scale, P, S, per_split, null_page,
         q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
         prefix_slots.stride(0), region_k.stride(0), region_k.stride(1), region_v.stride(0), region_v.stride(1),
         valid.stride(0), table.stride(0), table.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        logits.stride(0), logits.stride(1),
-        G=G, G_PAD=G_PAD, D=D, DV=DV, PAGE=PAGE, BLOCK=BLOCK_N,
-        STORE_REGION_LOGITS=observing, STORE_PREFIX_LOGITS=sparsity,
+        logits.stride(0), logits.stride(1), block_max.stride(0), block_max.stride(1),
+        G=G, G_PAD=G_PAD, D=D, DV=DV, PAGE=PAGE, BLOCK=block,
+        STORE_REGION_LOGITS=region_obs, STORE_PREFIX_LOGITS=sparsity,
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((R, Hq, DV), dtype=q.dtype, device=dev)
     lse = torch.empty((R, Hq), dtype=torch.float32, device=dev)
@@ -249,19 +269,20 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         return out, obs
     want_attention = bool(needs & Need.ATTENTION)
     want_pv = bool(needs & Need.PV_NORM)
-    attention = torch.zeros((R, Hkv, S), dtype=torch.float32, device=dev) if region_obs else logits
+    attention = torch.zeros((R, Hkv, S), dtype=torch.float32, device=dev) if region_obs else block_max
     pv_norm = torch.zeros_like(attention) if want_pv else attention
     sparse = torch.zeros((R, Hq), dtype=torch.float32, device=dev)
     seen = torch.zeros_like(sparse)
-    first = 0 if sparsity else P  # without SPARSITY only the region's keys are read
-    blocks = triton.cdiv(P + S - first, BLOCK_N)
-    if blocks:
-        _observe_kernel[(R, Hkv, blocks)](
-            logits[:, :, first:], lse, row_max, region_v, table, valid, attention, pv_norm, sparse, seen,
-            P - first, S, null_page, logits.stride(0), logits.stride(1), region_v.stride(0), region_v.stride(1),
-            valid.stride(0), table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq,
-            G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=BLOCK_N,
-            ATTENTION=region_obs, PV_NORM=want_pv, SPARSITY=sparsity, log_sparsity=LOG_SPARSITY,
+    first_block = 0 if sparsity else P // block  # without SPARSITY only the region's keys are read
+    vnorm = region_vnorm if region_vnorm is not None else block_max
+    if blocks > first_block:
+        _observe_kernel[(R, Hkv, blocks - first_block)](
+            logits, block_max, lse, row_max, region_v, vnorm, table, valid, attention, pv_norm, sparse, seen,
+            P, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
+            block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
+            table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY,
+            G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block,
+            ATTENTION=region_obs, PV_NORM=want_pv, HAS_VNORM=region_vnorm is not None, SPARSITY=sparsity,
         )
     if want_attention:
         obs.attention = attention

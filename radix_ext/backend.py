@@ -225,6 +225,7 @@ class KvsieveAttnBackend(AttentionBackend):
         offset = slot % P
         p.k[page, offset] = k3[idx].to(p.k.dtype)
         p.v[page, offset] = v3[idx].to(p.v.dtype)
+        p.vnorm[page, offset] = v3[idx].float().abs().sum(-1)
         p.valid[page, offset] = p.const_true
         p.position[page, offset] = rows.positions.unsqueeze(1)
         p.score[page, offset] = p.const_zero
@@ -234,7 +235,7 @@ class KvsieveAttnBackend(AttentionBackend):
             pool = self.token_to_kv_pool
             out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
                                         pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
-                                        p.k, p.v, p.valid, table, layer.scaling, rows.needs)
+                                        p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm)
             o3[idx] = out.to(o3.dtype)
             view = self._view(table, keys=bool(rows.needs & Need.KEYS))
         else:
@@ -290,6 +291,7 @@ class KvsieveAttnBackend(AttentionBackend):
         t = ext.token_index
         p.k[page, offset] = k3[t].to(p.k.dtype)
         p.v[page, offset] = v3[t].to(p.v.dtype)
+        p.vnorm[page, offset] = v3[t].float().abs().sum(-1)
         p.valid[page, offset] = p.const_true
         p.position[page, offset] = ext.query_pos[ext.token_row, ext.token_col].unsqueeze(1)
         p.score[page, offset] = p.const_zero
@@ -332,7 +334,7 @@ class KvsieveAttnBackend(AttentionBackend):
         kept = self._decide(layer, table, view, obs, ext.ending_groups, keeps_state, pool_rows, prefill=True)
         # Compaction: a stable sort puts kept slots first in slot order.
         order = (~kept).to(torch.int8).argsort(dim=-1, stable=True)  # [R, H, S]
-        for buffer in (p.k, p.v, p.valid, p.position, p.score, p.last_hit):
+        for buffer in (p.k, p.v, p.vnorm, p.valid, p.position, p.score, p.last_hit):
             slots = buffer[table].reshape(*shape, *buffer.shape[2:])
             index = order.view(*shape, *([1] * (buffer.dim() - 2))).expand_as(slots)
             buffer[table] = slots.gather(2, index).reshape(*table.shape, P, *buffer.shape[2:])

@@ -89,6 +89,9 @@ class PageManager:
         self.position = torch.full((n, c.page_size), -1, dtype=torch.int64, device=c.device)
         self.score = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
         self.last_hit = torch.zeros(n, c.page_size, dtype=torch.int32, device=c.device)
+        #: ||v||_1 of each slot's value, written with it: ||p v||_1 observations
+        #: (LongFlow) then read 4 bytes per slot instead of the value.
+        self.vnorm = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
         #: Attention each slot received from the observed prompt queries,
         #: summed over prefill chunks until the prefill selection reads it.
         self.prefill_attention = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)

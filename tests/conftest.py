@@ -20,6 +20,11 @@ from tiny_models import build_tiny_model  # noqa: E402
 
 KVSIEVE = str(Path(sys.executable).with_name("kvsieve"))
 
+# tests/interpreted/ needs Triton's interpreter on from the process start:
+# tests/test_triton_kernels.py runs it in a process of its own.
+if os.environ.get("TRITON_INTERPRET") != "1":
+    collect_ignore = ["interpreted"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -1,9 +1,12 @@
 """The Triton decode-attention kernel against the PyTorch reference
 (kernels.attention_ref.attend_rows), on CPU through Triton's interpreter:
 the same kernel source the GPU compiles. bench/kernel_check.py runs the same
-comparison at real shapes on a GPU."""
+comparison at real shapes on a GPU.
 
-import importlib
+Run by tests/test_triton_kernels.py in a process of its own with
+TRITON_INTERPRET=1 (it must be set before triton.language is first imported)."""
+
+import os
 
 import pytest
 import torch
@@ -16,14 +19,10 @@ ALL = Need.ATTENTION | Need.PV_NORM | Need.SPARSITY
 
 @pytest.fixture(scope="module")
 def kernel():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
     from kvsieve.kernels import decode_attention
 
-    module = importlib.reload(decode_attention)  # re-decorated: interpreted on CPU
-    yield module
-    mp.undo()
-    importlib.reload(decode_attention)
+    return decode_attention
 
 
 def random_case(R, Hq, Hkv, D, P, M, page, dtype, seed, lengths=None, density=0.7):
@@ -73,12 +72,13 @@ CASES = [
 def test_kernel_matches_the_reference_with_every_observation(kernel, R, Hq, Hkv, D, P, M, page, splits, lengths):
     case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=R * 100 + P, lengths=lengths)
     scale = D ** -0.5
-    out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, num_splits=splits)
+    out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, num_splits=splits, block=16)
     ref_out, ref = reference(case, scale, ALL)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(obs.attention, ref.attention, atol=2e-6, rtol=1e-4)
-    torch.testing.assert_close(obs.pv_norm, ref.pv_norm, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=1e-6, rtol=0)
+    # Observations come from fp16 logits relative to their block's max.
+    torch.testing.assert_close(obs.attention, ref.attention, atol=1e-4, rtol=2e-3)
+    torch.testing.assert_close(obs.pv_norm, ref.pv_norm, atol=1e-3, rtol=2e-3)
+    torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=0.02, rtol=0)
 
 
 def test_observations_are_only_computed_when_asked(kernel):
@@ -88,7 +88,7 @@ def test_observations_are_only_computed_when_asked(kernel):
     out_attn, obs = kernel.decode_attention(**case, scale=0.25, needs=Need.ATTENTION)
     torch.testing.assert_close(out, out_attn)
     ref_out, ref = reference(case, 0.25, Need.ATTENTION)
-    torch.testing.assert_close(obs.attention, ref.attention, atol=2e-6, rtol=1e-4)
+    torch.testing.assert_close(obs.attention, ref.attention, atol=1e-4, rtol=2e-3)
     assert obs.pv_norm is None and obs.sparsity is None
 
 
@@ -109,3 +109,17 @@ def test_half_precision_inputs_stay_within_half_precision_error(kernel):
     ref_out, ref = reference(case, 32 ** -0.5, Need.ATTENTION)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(obs.attention, ref.attention, atol=2e-3, rtol=2e-2)
+
+
+def test_a_kept_value_norm_replaces_reading_values(kernel):
+    # The region may keep ||v||_1 per slot: PV_NORM then reads it, not V.
+    case = random_case(2, 4, 2, 16, 6, 3, 8, torch.float32, seed=5)
+    vnorm = case["region_v"].abs().sum(-1)
+    _, obs = kernel.decode_attention(**case, scale=0.25, needs=Need.PV_NORM, region_vnorm=vnorm)
+    _, ref = reference(case, 0.25, Need.ATTENTION | Need.PV_NORM)
+    torch.testing.assert_close(obs.pv_norm, ref.pv_norm, atol=1e-3, rtol=2e-3)
+    assert obs.attention is None
+
+
+def test_default_splits_scale_with_the_keys(kernel):
+    assert [kernel.default_splits(n) for n in (1, 512, 513, 4096, 1 << 20)] == [1, 1, 2, 8, 16]
