@@ -45,7 +45,7 @@ def _segment_starts(eligible: torch.Tensor, seg: torch.Tensor, K: int) -> tuple[
 
 
 def kmeans_medoids(keys: torch.Tensor, member: torch.Tensor, active: torch.Tensor, init: torch.Tensor,
-                   iters: torch.Tensor, max_iters: int) -> torch.Tensor:
+                   iters: torch.Tensor, max_iters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means in every (row, head, segment) at once.
 
     keys [R, H, Kc, N, D] the segments' keys; member [R, H, Kc, N] which are
@@ -54,31 +54,44 @@ def kmeans_medoids(keys: torch.Tensor, member: torch.Tensor, active: torch.Tenso
     (the loop runs max_iters, a host bound, and freezes finished rows, so a
     row's result never depends on the others'). Returns, per centroid, the
     index of the member nearest it at the end (its medoid: a real token,
-    kept with its value) [R, H, Kc, T], and whether its cluster is non-empty."""
-    k = keys.float()
-    D = k.shape[-1]
-    centroids = k.gather(3, init.unsqueeze(-1).expand(*init.shape, D))  # [R, H, Kc, T, D]
-    pair = member.unsqueeze(-1) & active.unsqueeze(-2)  # [R, H, Kc, N, T]
-    sq = (k * k).sum(-1, keepdim=True)
-    inf = k.new_full((), float("inf"))  # a fill, not a host-to-device copy
-    ids = torch.arange(active.shape[-1], device=k.device)
+    kept with its value) [R, H, Kc, T], and whether its cluster is non-empty.
 
-    def assignment(c):
-        d = sq - 2 * torch.einsum("rhknd,rhktd->rhknt", k, c) + (c * c).sum(-1).unsqueeze(-2)
-        d = torch.where(pair, d, inf)
-        return d, pair & (ids == d.argmin(-1, keepdim=True))  # ties: the lower centroid
+    Cost: per iteration one batched matmul writing [B, N, T] scores, its
+    argmin, and the one-hot matmul of the centroid update (deterministic,
+    unlike a float scatter_add); the medoids come from [B, N] reductions."""
+    R, H, Kc, N, D = keys.shape
+    T = active.shape[-1]
+    B = R * H * Kc
+    k = keys.reshape(B, N, D).float()
+    m, a = member.reshape(B, N), active.reshape(B, T)
+    c = k.gather(1, init.reshape(B, T, 1).expand(B, T, D))
+    row_iters = iters.view(R, 1).expand(R, H * Kc).reshape(B, 1, 1)
+    inf = k.new_full((), float("inf"))  # a fill, not a host-to-device copy
+    ids = torch.arange(T, device=k.device)
+
+    def assign(c):
+        # argmin_t ||k - c_t||^2 = argmin_t ||c_t||^2 - 2 k.c_t (ties: the
+        # lower centroid); a missing centroid scores inf and is never chosen.
+        cc = torch.where(a, (c * c).sum(-1), inf).unsqueeze(1)  # [B, 1, T]
+        return torch.baddbmm(cc, k, c.transpose(1, 2), alpha=-2).argmin(-1)  # [B, N]
 
     for i in range(max_iters):
-        _, onehot = assignment(centroids)
-        counts = onehot.sum(-2)  # [R, H, Kc, T]
-        sums = torch.einsum("rhknt,rhknd->rhktd", onehot.float(), k)
+        onehot = ((assign(c).unsqueeze(-1) == ids) & m.unsqueeze(-1)).float()  # [B, N, T]
+        counts = onehot.sum(1).unsqueeze(-1)  # [B, T, 1]
+        sums = torch.bmm(onehot.transpose(1, 2), k)  # [B, T, D]
         # An empty cluster keeps its centroid (and gets no medoid, see below).
-        moved = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
-        centroids = torch.where((i < iters).view(-1, 1, 1, 1, 1), moved, centroids)
-    dist, onehot = assignment(centroids)
-    # A medoid is the nearest member of its own cluster: no two clusters share one.
-    nearest = torch.where(onehot, dist, inf).argmin(-2)  # [R, H, Kc, T]
-    return nearest, onehot.any(-2)
+        moved = torch.where(counts > 0, sums / counts.clamp(min=1), c)
+        c = torch.where(i < row_iters, moved, c)
+    # A medoid is the member nearest its own cluster's centroid (ties: the
+    # lower index), so no two clusters share one. Members that no centroid
+    # could take (their segment keeps none) go to a spill bucket T.
+    owner = torch.where(m & a.any(-1, keepdim=True), assign(c), T)  # [B, N]
+    own = c.gather(1, owner.clamp(max=T - 1).unsqueeze(-1).expand(B, N, D))
+    d = torch.where(owner < T, ((k - own) ** 2).sum(-1), inf)
+    best = torch.full((B, T + 1), float("inf"), device=k.device).scatter_reduce(1, owner, d, "amin")
+    index = torch.where((owner < T) & (d == best.gather(1, owner)), torch.arange(N, device=k.device), N)
+    nearest = torch.full((B, T + 1), N, device=k.device).scatter_reduce(1, owner, index, "amin")[:, :T]
+    return nearest.clamp(max=N - 1).view(R, H, Kc, T), (nearest < N).view(R, H, Kc, T)
 
 
 def tbe_evict(valid: torch.Tensor, position: torch.Tensor, keys: Optional[torch.Tensor], seg: torch.Tensor,
