@@ -39,16 +39,42 @@ interpreter_compat.apply()
 
 #: Keys per inner-loop block.
 BLOCK_N = 32
+#: Key blocks one program of the observation kernel reads (fewer, larger programs).
+OBSERVE_BLOCKS_PER_PROGRAM = 8
 #: ln(SPARSITY_THRESHOLD): a probability below threshold x the row max has a
 #: logit below the row's max logit + this.
 LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
 
 
 @triton.jit
+def _scores(q, k, seen, scale):
+    qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK]
+    return tl.where(seen[None, :], qk, float("-inf"))
+
+
+@triton.jit
+def _accumulate(qk, v, m, l, acc, n, hq, g_ok, keep, Logits, BlockMax, r, slg_r, slg_h, sbm_r, sbm_h,
+                BLOCK: tl.constexpr, STORE: tl.constexpr):
+    """Online softmax over one block; with STORE, the block's fp16 logits
+    relative to its running max (<= 0: fp16 keeps them to ~1e-3 where the
+    probability matters) and that max, for the observations."""
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    if STORE:
+        tl.store(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :], (qk - m_new[:, None]).to(tl.float16),
+                 mask=g_ok[:, None] & keep[None, :])
+        tl.store(BlockMax + r * sbm_r + hq * sbm_h + tl.min(n, 0) // BLOCK, m_new, mask=g_ok)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l, acc
+
+
+@triton.jit
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
     PartO, PartM, PartL, Logits, BlockMax,
-    scale, P, S, keys_per_split, null_page,
+    scale, P_pad, S, keys_per_split, null_page,
     sq_r, sq_h,
     spk_n, spk_h, spv_n, spv_h,
     sps_r, srk_p, srk_o, srv_p, srv_o, sva_p,
@@ -59,7 +85,10 @@ def _partial_kernel(
     BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
 ):
     """Grid (rows, kv heads, splits): one split of one row's keys for the G
-    query heads of one kv head; partial output, max and sum per query head."""
+    query heads of one kv head; partial output, max and sum per query head.
+    Keys: [0, P_pad) the prefix (padded to whole blocks), then [P_pad,
+    P_pad + S) the region; a block is all prefix or all region, so each part
+    has a loop of its own with only its loads."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,52 +99,31 @@ def _partial_kernel(
     dv = tl.arange(0, DV)
     q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     plen = tl.load(PrefixLen + r)
-    start = split * keys_per_split  # a multiple of BLOCK
-    end = tl.minimum(start + keys_per_split, P + S)
+    start = split * keys_per_split  # a multiple of BLOCK, as P_pad is
+    end = tl.minimum(start + keys_per_split, P_pad + S)
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
-    for n0 in range(start, end, BLOCK):
+    for n0 in range(start, tl.minimum(end, P_pad), BLOCK):  # the shared prefix, in SGLang's token pool
         n = n0 + tl.arange(0, BLOCK)
-        in_range = n < end
-        in_prefix = in_range & (n < plen)
-        in_region = in_range & (n >= P)
-        pslot = tl.load(PrefixSlots + r * sps_r + n, mask=in_prefix, other=0)
-        s = tl.where(in_region, n - P, 0)
+        seen = n < plen
+        slot = tl.load(PrefixSlots + r * sps_r + n, mask=seen, other=0)
+        k = tl.load(PoolK + slot[:, None] * spk_n + h * spk_h + d[None, :], mask=seen[:, None], other=0.0)
+        v = tl.load(PoolV + slot[:, None] * spv_n + h * spv_h + dv[None, :], mask=seen[:, None], other=0.0)
+        m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, n < P_pad, Logits, BlockMax,
+                                r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_PREFIX_LOGITS)
+    for n0 in range(tl.maximum(start, P_pad), end, BLOCK):  # the private slots, in region pages
+        n = n0 + tl.arange(0, BLOCK)
+        in_region = n < end
+        s = n - P_pad
         page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
         off = s % PAGE
-        rvalid = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
-        seen = in_prefix | rvalid
-        # Each key comes from the pool or the region: two masked loads, one select.
-        k = tl.where(in_prefix[:, None],
-                     tl.load(PoolK + pslot[:, None] * spk_n + h * spk_h + d[None, :], mask=in_prefix[:, None],
-                             other=0.0),
-                     tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=rvalid[:, None],
-                             other=0.0))
-        qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK]
-        qk = tl.where(seen[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        if STORE_REGION_LOGITS or STORE_PREFIX_LOGITS:
-            # fp16 logits relative to the block's running max (<= 0, so fp16
-            # keeps them to ~1e-3 where the probability matters), and that max.
-            keep = in_range
-            if not STORE_PREFIX_LOGITS:
-                keep = in_region
-            if not STORE_REGION_LOGITS:
-                keep = in_range & (n < P)
-            tl.store(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :], (qk - m_new[:, None]).to(tl.float16),
-                     mask=g_ok[:, None] & keep[None, :])
-            tl.store(BlockMax + r * sbm_r + hq * sbm_h + n0 // BLOCK, m_new, mask=g_ok)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        v = tl.where(in_prefix[:, None],
-                     tl.load(PoolV + pslot[:, None] * spv_n + h * spv_h + dv[None, :], mask=in_prefix[:, None],
-                             other=0.0),
-                     tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=rvalid[:, None],
-                             other=0.0))
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m = m_new
+        seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
+        k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None], other=0.0)
+        v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
+                    other=0.0)
+        m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, in_region, Logits, BlockMax,
+                                r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_REGION_LOGITS)
     tl.store(PartO + r * spo_r + hq[:, None] * spo_h + split * spo_s + dv[None, :], acc, mask=g_ok[:, None])
     tl.store(PartM + r * spm_r + hq * spm_h + split, m, mask=g_ok)
     tl.store(PartL + r * spm_r + hq * spm_h + split, l, mask=g_ok)
@@ -149,51 +157,60 @@ def _merge_kernel(
 @triton.jit
 def _observe_kernel(
     Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen,
-    P, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
+    P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
     sat_r, sat_h, Hq, log_sparsity,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
     ATTENTION: tl.constexpr, PV_NORM: tl.constexpr, HAS_VNORM: tl.constexpr, SPARSITY: tl.constexpr,
 ):
-    """Grid (rows, kv heads, key blocks from first_block): probabilities from
-    the stored logits and the final log-sum-exp."""
+    """Grid (rows, kv heads, groups of key blocks from first_block):
+    probabilities from the stored logits and the final log-sum-exp."""
     r = tl.program_id(0)
     h = tl.program_id(1)
-    block = first_block + tl.program_id(2)
-    n = block * BLOCK + tl.arange(0, BLOCK)
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     hq = h * G + g
-    in_range = n < P + S
-    region = in_range & (n >= P)
-    counted = in_range
-    if not SPARSITY:
-        counted = region
-    rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
-                  mask=g_ok[:, None] & counted[None, :], other=float("-inf")).to(tl.float32)
-    logits = rel + tl.load(BlockMax + r * sbm_r + hq * sbm_h + block, mask=g_ok, other=0.0)[:, None]
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
-        seen = logits > float("-inf")
-        sparse = seen & (logits < top[:, None] + log_sparsity)
-        tl.atomic_add(Sparse + r * Hq + hq, tl.sum(sparse.to(tl.float32), 1), mask=g_ok)
-        tl.atomic_add(Seen + r * Hq + hq, tl.sum(seen.to(tl.float32), 1), mask=g_ok)
+        sparse_count = tl.zeros([G_PAD], tl.float32)
+        seen_count = tl.zeros([G_PAD], tl.float32)
     if ATTENTION or PV_NORM:
         lse = tl.load(Lse + r * Hq + hq, mask=g_ok, other=0.0)
-        s = tl.where(region, n - P, 0)
-        mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf (unseen keys, padding heads): 0
-        if ATTENTION:
-            tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
-        if PV_NORM:
-            page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=region, other=null_page)
-            off = s % PAGE
-            if HAS_VNORM:
-                norm = tl.load(VNorm + page * svn_p + off, mask=region, other=0.0)
-            else:
-                dv = tl.arange(0, DV)
-                v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :],
-                            mask=region[:, None], other=0.0)
-                norm = tl.sum(tl.abs(v.to(tl.float32)), 1)
-            tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=region)
+    for i in tl.static_range(BLOCKS_PER_PROGRAM):
+        block = first_block + tl.program_id(2) * BLOCKS_PER_PROGRAM + i
+        n = block * BLOCK + tl.arange(0, BLOCK)
+        in_range = n < P_pad + S
+        region = in_range & (n >= P_pad)
+        counted = in_range
+        if not SPARSITY:
+            counted = region
+        rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
+                      mask=g_ok[:, None] & counted[None, :], other=float("-inf")).to(tl.float32)
+        logits = rel + tl.load(BlockMax + r * sbm_r + hq * sbm_h + block,
+                               mask=g_ok & (block * BLOCK < P_pad + S), other=0.0)[:, None]
+        if SPARSITY:
+            seen = logits > float("-inf")
+            sparse_count += tl.sum((seen & (logits < top[:, None] + log_sparsity)).to(tl.float32), 1)
+            seen_count += tl.sum(seen.to(tl.float32), 1)
+        if ATTENTION or PV_NORM:
+            s = tl.where(region, n - P_pad, 0)
+            mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf (unseen keys, padding heads): 0
+            if ATTENTION:
+                tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
+            if PV_NORM:
+                page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=region, other=null_page)
+                off = s % PAGE
+                if HAS_VNORM:
+                    norm = tl.load(VNorm + page * svn_p + off, mask=region, other=0.0)
+                else:
+                    dv = tl.arange(0, DV)
+                    v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :],
+                                mask=region[:, None], other=0.0)
+                    norm = tl.sum(tl.abs(v.to(tl.float32)), 1)
+                tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=region)
+    if SPARSITY:
+        tl.atomic_add(Sparse + r * Hq + hq, sparse_count, mask=g_ok)
+        tl.atomic_add(Seen + r * Hq + hq, seen_count, mask=g_ok)
 
 
 def default_splits(keys: int) -> int:
@@ -223,7 +240,8 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     PAGE = region_k.shape[1]
     S = table.shape[2] * PAGE
     dev = q.device
-    keys = P + S
+    P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
+    keys = P_pad + S
     splits = num_splits or default_splits(keys)
     per_split = triton.cdiv(triton.cdiv(max(keys, 1), splits), block) * block
     splits = triton.cdiv(max(keys, 1), per_split)  # no empty split
@@ -245,7 +263,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     _partial_kernel[(R, Hkv, splits)](
         q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table,
         part_o, part_m, part_l, logits, block_max,
-        scale, P, S, per_split, null_page,
+        scale, P_pad, S, per_split, null_page,
         q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
         prefix_slots.stride(0), region_k.stride(0), region_k.stride(1), region_v.stride(0), region_v.stride(1),
@@ -273,15 +291,15 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     pv_norm = torch.zeros_like(attention) if want_pv else attention
     sparse = torch.zeros((R, Hq), dtype=torch.float32, device=dev)
     seen = torch.zeros_like(sparse)
-    first_block = 0 if sparsity else P // block  # without SPARSITY only the region's keys are read
+    first_block = 0 if sparsity else P_pad // block  # without SPARSITY only the region's keys are read
     vnorm = region_vnorm if region_vnorm is not None else block_max
     if blocks > first_block:
-        _observe_kernel[(R, Hkv, blocks - first_block)](
+        _observe_kernel[(R, Hkv, triton.cdiv(blocks - first_block, OBSERVE_BLOCKS_PER_PROGRAM))](
             logits, block_max, lse, row_max, region_v, vnorm, table, valid, attention, pv_norm, sparse, seen,
-            P, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
+            P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
             block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
             table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY,
-            G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block,
+            G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block, BLOCKS_PER_PROGRAM=OBSERVE_BLOCKS_PER_PROGRAM,
             ATTENTION=region_obs, PV_NORM=want_pv, HAS_VNORM=region_vnorm is not None, SPARSITY=sparsity,
         )
     if want_attention:

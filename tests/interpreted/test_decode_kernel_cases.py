@@ -65,6 +65,7 @@ CASES = [
     (3, 4, 2, 32, 20, 3, 16, None, [20, 7, 0]),  # ragged prefixes, one without
     (2, 7, 1, 64, 0, 4, 8, 3, None),  # no prefix, G = 7 (padded to 16), several splits
     (2, 8, 4, 16, 33, 2, 16, 2, [33, 1]),
+    (1, 4, 1, 16, 40, 20, 8, 3, None),  # more key blocks than one observation program reads
 ]
 
 
