@@ -1,7 +1,12 @@
-"""thinkv end to end: a real `kvsieve serve` (tiny Llama on CPU, the session
-server), no calibration artifact for the model, so the fallback runs and is
-reported."""
+"""thinkv end to end: real `kvsieve serve` processes (tiny Llama on CPU, the
+session servers). The plain server's store has no artifact for the model, so
+the fallback runs and is reported; the guarded server's Redis store gets one."""
 
+import json
+
+import httpx
+
+from conftest import kvsieve_cli
 from test_compressed import complete, metric
 
 
@@ -39,8 +44,23 @@ def test_small_budget_holds_the_budget_and_reports_the_fallback(llama_server):
 
 
 def test_bad_params_are_a_400_naming_the_field(llama_server):
-    import httpx
-
     body = {"prompt": [1, 2], "max_tokens": 2, "kv_policy": {"name": "thinkv", "params": {"retention": [4, 8]}}}
     r = httpx.post(f"{llama_server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and "kv_policy.params.retention" in r.text
+
+
+def test_a_calibrated_model_runs_with_its_artifact(guarded_server, tmp_path):
+    # The guarded server keeps its store in Redis; its scheduler process reads
+    # the same settings (environment, YAML file) when thinkv first runs there,
+    # and finds the artifact under the served name, the checkpoint's directory.
+    artifact = tmp_path / "thinkv.json"
+    artifact.write_text(json.dumps({"model": "tiny-llama", "layers": [1], "thresholds": [0.3, 0.7]}))
+    put = kvsieve_cli("artifacts", "put", "thinkv", "tiny-llama", str(artifact), env=guarded_server.env)
+    assert put.returncode == 0, put.stderr
+    body = {"prompt": [15, 31, 32, 33], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "kv_policy": {"name": "thinkv", "budget": 15, "params": {"refresh": 4, "retention": [2, 1]}}}
+    r = httpx.post(f"{guarded_server.url}/v1/completions", json=body, headers=guarded_server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["kv_usage"]["retained_tokens"] <= 4 + 15  # the prompt (radix cache) + the budget
+    assert "thinkv: model 'tiny-llama' calibrated: layers [1], thresholds (0.3, 0.7)" in guarded_server.server.log()
+    assert metric(guarded_server.server, "kvsieve_policy_fallback_total", policy="thinkv") == 0
