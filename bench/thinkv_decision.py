@@ -24,7 +24,7 @@ from kvsieve.policies.base import StepRow
 from kvsieve.policies.thinkv_calibration import Calibration
 
 
-def run(rows: int, steps: int, budget: int, heads: int, dim: int, seed: int = 0) -> dict:
+def run(rows: int, steps: int, budget: int, heads: int, dim: int, seed: int = 0, profile: bool = False) -> dict:
     dev = "cuda"
     cls = get_policy("thinkv")
     policy = cls()
@@ -45,7 +45,7 @@ def run(rows: int, steps: int, budget: int, heads: int, dim: int, seed: int = 0)
     budget_t = torch.full((rows, heads), budget, device=dev)
     pool_rows = torch.arange(rows, device=dev)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    plain, cut, host = [], [], []
+    plain, cut, host, profiled = [], [], [], []
     torch.cuda.reset_peak_memory_stats()
     for t in range(steps):
         h0 = time.perf_counter()
@@ -61,6 +61,10 @@ def run(rows: int, steps: int, budget: int, heads: int, dim: int, seed: int = 0)
                             maxima=maxima, inputs=inputs, pool_rows=pool_rows, max_rows=rows)
         sparsity = sparsity_of[:, t // 128].view(rows, 1).expand(rows, 4 * heads).to(dev)
         torch.cuda.set_sync_debug_mode("error")
+        prof = None
+        if profile and inputs["targets"].shape[1]:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         start.record()
         evict = policy.select_decode(batch, view, Observations(sparsity=sparsity))
         if evict is not None:
@@ -69,10 +73,20 @@ def run(rows: int, steps: int, budget: int, heads: int, dim: int, seed: int = 0)
         end.record()
         torch.cuda.set_sync_debug_mode(0)
         end.synchronize()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            profiled.append(prof.key_averages())
         ms = start.elapsed_time(end)
         (cut if inputs["targets"].shape[1] else plain).append(ms)
         if t % 64 == 0 or inputs["targets"].shape[1]:
             assert int(view.valid.sum(-1).max()) <= budget, f"over budget at step {t}"
+    if profiled:  # CUDA time per kernel over every cut step
+        totals: dict = {}
+        for averages in profiled:
+            for e in averages:
+                totals[e.key] = totals.get(e.key, 0.0) + e.device_time_total / 1000
+        for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"{ms:9.2f} ms  {key[:100]}")
     stats = lambda xs: {"n": len(xs), "mean_ms": sum(xs) / max(len(xs), 1), "max_ms": max(xs, default=0.0)}  # noqa: E731
     return {"rows": rows, "steps": steps, "budget": budget, "kv_heads": heads, "head_dim": dim,
             "no_cut_step": stats(plain), "cut_step": stats(cut[1:] or cut),
@@ -90,10 +104,11 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--out")
+    p.add_argument("--profile", action="store_true", help="print the kernels of the cut steps by CUDA time")
     args = p.parse_args()
     results = {"device": torch.cuda.get_device_name(), "runs": []}
     for rows in args.rows:
-        results["runs"].append(run(rows, args.steps, args.budget, args.heads, args.dim))
+        results["runs"].append(run(rows, args.steps, args.budget, args.heads, args.dim, profile=args.profile))
         print(json.dumps(results["runs"][-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -200,7 +200,8 @@ class ThinKVPolicy(Policy):
 
     # ----- per layer (device) ---------------------------------------------------
     def _record_sparsity(self, batch, obs) -> None:
-        if batch.layer not in self._calibration().layers or obs.sparsity is None or batch.pool_rows is None:
+        self._calibration()
+        if batch.layer not in self._layer_set or obs.sparsity is None or batch.pool_rows is None:
             return
         layers = self.model.num_layers if self.model is not None else batch.layer + 1
         if self._sparsity is None or self._sparsity.shape[0] < batch.max_rows or self._sparsity.shape[1] < layers:
