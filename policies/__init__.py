@@ -1,6 +1,7 @@
 """Compression policies: pure PyTorch, engine-agnostic (import kvsieve.policies)."""
 
 from . import full, h2o, longflow, snapkv, streaming, thinkv  # noqa: F401  (register the policies)
+from . import rkv, skipkv  # noqa: F401,E402  (register the policies)
 from .base import Policy, PolicyParams, RequestState
 from .observations import Need, Observations, PolicyBatch, SlotView
 from .registry import POLICY_MODULES_ENV, get_policy, load_policy_modules, policy_names, register_policy

@@ -1,0 +1,139 @@
+"""`skipkv` (SkipKV, skipkv-slides.txt): sentence-primary eviction.
+
+Generated tokens are cut into sentences at delimiter tokens (ModelInfo.
+delimiter_ids: ".", "?", "!" or a newline; the delimiter ends its sentence).
+A finished sentence's vector is the mean of the last layer's hidden states
+over its tokens; sentence i is redundant when a later sentence j has
+cos(v_i, v_j) > tau (policies.skipkv_sentences). Per (layer, kv_head), a head
+over its budget drops whole redundant sentences first, then its tokens of
+lowest R-KV score (policies.rkv_scores) minus lambda_ij for tokens of a
+redundant sentence (policies.skipkv_select).
+
+Host/device split: sentences accumulate on the device in on_tokens (no
+sync); step_inputs reads the finished-sentence count back every `refresh`
+decode steps and, when a sentence was finished since, the redundant set
+(decision: refresh 16 by default, so a redundant sentence is seen up to 15
+steps late; 1 reads every step). The spans reach the decisions as
+[R, K] tensors, cached per request between changes.
+
+Batching (SkipKV reorders padded batches by prompt length so that padding
+does not eat the budget): SGLang's batches are ragged, each row's slots are
+its own, so every request keeps its whole budget in any batch; the engine
+tests check that a request's greedy output is the same alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from pydantic import Field
+
+from .base import RequestState, StepRow
+from .observations import Need, to_device
+from .registry import register_policy
+from .rkv import RKVBase, RKVParams
+from .rkv_scores import due_heads, observe_attention
+from .skipkv_select import FAR, skipkv_evict
+from .skipkv_sentences import RedundantSpans, SentenceTracker, delimiter_table
+
+logger = logging.getLogger(__name__)
+
+
+class SkipKVParams(RKVParams):
+    tau: float = Field(default=0.9, ge=-1.0, le=1.0,
+                       description="cosine above which a sentence is redundant with a later one")
+    refresh: int = Field(default=16, ge=1, le=4096, description="decode steps between reads of the sentences")
+
+
+class SkipKVState(RequestState):
+    def __init__(self, params: SkipKVParams, num_layers: int, num_kv_heads: int):
+        super().__init__(params, num_layers, num_kv_heads)
+        #: Set by step_inputs before each forward: tokens seen by on_tokens
+        #: after a decode step's metadata are generated, others prompt.
+        self.decoding = False
+        self.tracker: Optional[SentenceTracker] = None
+
+
+@register_policy
+class SkipKVPolicy(RKVBase):
+    name = "skipkv"
+    Params = SkipKVParams
+    needs = Need.ATTENTION | Need.KEYS | Need.TOKEN_IDS | Need.HIDDEN_STATES
+    description = "SkipKV: whole redundant sentences evicted first, then R-KV scores minus sentence redundancy."
+
+    _delimiters: Optional[torch.Tensor] = None
+    _warned = False
+
+    def begin_request(self, params, num_layers, num_kv_heads) -> SkipKVState:
+        return SkipKVState(params, num_layers, num_kv_heads)
+
+    # ----- host, once per forward ---------------------------------------------
+    def on_tokens(self, state: SkipKVState, positions, token_ids, hidden_states) -> None:
+        if not state.decoding or hidden_states is None:
+            return  # prompt tokens: sentences are cut from generated tokens only
+        if state.tracker is None:
+            delimiters = self._delimiter_table(hidden_states.device)
+            if delimiters is None:
+                return
+            state.tracker = SentenceTracker(delimiters, hidden_states.shape[-1], hidden_states.device)
+        state.tracker.add(positions, token_ids, hidden_states)
+
+    def _delimiter_table(self, device) -> Optional[torch.Tensor]:
+        if self._delimiters is None or self._delimiters.device != torch.device(device):
+            ids = self.model.delimiter_ids if self.model is not None else frozenset()
+            self._delimiters = delimiter_table(ids, device)
+            if self._delimiters is None and not SkipKVPolicy._warned:
+                SkipKVPolicy._warned = True
+                logger.warning("skipkv: the model has no sentence delimiters (no tokenizer?): no sentences, "
+                               "eviction by R-KV scores only")
+        return self._delimiters
+
+    # ----- host, once per step --------------------------------------------------
+    def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
+        spans = []
+        for row in rows:
+            state: SkipKVState = row.state
+            state.decoding = not row.prefill
+            tracker = state.tracker
+            if tracker is not None and not row.prefill and row.step % state.params.refresh == 0:
+                tracker.redundant_spans(state.params.tau)
+            spans.append(tracker.spans if tracker is not None else RedundantSpans.empty())
+        K = max(s.starts.numel() for s in spans)
+        R = len(rows)
+        starts = torch.full((R, K), FAR, dtype=torch.int64)
+        ends = torch.full((R, K), FAR, dtype=torch.int64)
+        penalty = torch.zeros((R, K), dtype=torch.float32)
+        rank = torch.arange(K, dtype=torch.int64).repeat(R, 1)  # pads rank after the real spans
+        for r, s in enumerate(spans):
+            n = s.starts.numel()
+            if n:
+                starts[r, :n], ends[r, :n], penalty[r, :n], rank[r, :n] = s.starts, s.ends, s.penalty, s.rank
+        return {"span_starts": to_device(starts, torch.int64, device),
+                "span_ends": to_device(ends, torch.int64, device),
+                "span_penalty": to_device(penalty, torch.float32, device),
+                "span_rank": to_device(rank, torch.int64, device)}
+
+    def end_request(self, state: SkipKVState) -> None:
+        state.tracker = None
+
+    # ----- per layer (device) ---------------------------------------------------
+    def _evict(self, batch, view, due):
+        i = batch.inputs
+        if not i:  # a decision called without step_inputs (unit use): no sentences
+            R = view.valid.shape[0]
+            empty = torch.zeros((R, 0), dtype=torch.int64, device=view.valid.device)
+            i = {"span_starts": empty, "span_ends": empty, "span_rank": empty,
+                 "span_penalty": empty.float()}
+        return skipkv_evict(view, self._scores(batch, view), batch.budget, batch.param("window"), due,
+                            i["span_starts"], i["span_ends"], i["span_penalty"], i["span_rank"])
+
+    def select_prefill(self, batch, view, obs):
+        # The prompt has no generated sentences: R-KV's cut to the budget.
+        self._start_prefill(batch, view, obs)
+        return self._evict(batch, view, view.held > batch.budget)
+
+    def select_decode(self, batch, view, obs):
+        observe_attention(view, obs.attention / self._group_size(), batch.param("window"))
+        return self._evict(batch, view, due_heads(view, batch.budget, batch.param("buffer")))

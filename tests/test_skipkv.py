@@ -1,0 +1,274 @@
+"""skipkv: the redundant set from sentences of known similarity (the slides'
+example and more), sentence segmentation and vectors from known hidden
+states, hand-worked whole-sentence evictions, the policy's host/device
+hand-off (on_tokens -> step_inputs -> select_decode), and hypothesis
+properties (within budget after an eviction step, the current token kept,
+deterministic)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvsieve.policies import KVPolicyError, Observations, SlotView, get_policy, parse_kv_policy
+from kvsieve.policies.base import ModelInfo, StepRow
+from kvsieve.policies.skipkv_select import FAR, skipkv_evict
+from kvsieve.policies.skipkv_sentences import RedundantSpans, SentenceTracker, delimiter_table, redundant_sentences
+
+from test_rkv import apply, batch_of, empty_view, store
+
+
+def unit_vectors_with(l12, l13, l23):
+    """Three unit vectors in R^3 with the given pairwise cosines (by hand:
+    v1 = e1; v3 = (l13, sqrt(1 - l13^2), 0); v2 = (l12, y, z) with
+    v2.v3 = l12*l13 + y*sqrt(1 - l13^2) = l23 and |v2| = 1)."""
+    s = math.sqrt(1 - l13 ** 2)
+    y = (l23 - l12 * l13) / s
+    z = math.sqrt(1 - l12 ** 2 - y ** 2)
+    return torch.tensor([[1.0, 0.0, 0.0], [l12, y, z], [l13, s, 0.0]])
+
+
+def test_redundant_set_of_the_slides_example():
+    # lambda_12 = 0.37, lambda_13 = 0.96, lambda_23 = 0.50, tau 0.9: P = {S1}
+    # (S1 has the later S3 above tau; S2's only later sentence is 0.50 away).
+    vectors = unit_vectors_with(0.37, 0.96, 0.50)
+    redundant, penalty = redundant_sentences(vectors * torch.tensor([[2.0], [0.5], [3.0]]), tau=0.9)  # scale-free
+    assert redundant.tolist() == [True, False, False]
+    assert penalty.tolist() == pytest.approx([0.96, 0.0, 0.0], abs=1e-6)
+    # tau 0.45: S2 joins (0.50 to the later S3); S1's penalty is its largest
+    # similarity to a later sentence, 0.96. The last sentence never is redundant.
+    redundant, penalty = redundant_sentences(vectors, tau=0.45)
+    assert redundant.tolist() == [True, True, False]
+    assert penalty.tolist() == pytest.approx([0.96, 0.50, 0.0], abs=1e-6)
+
+
+def test_redundancy_looks_only_at_later_sentences():
+    # v1 = (1, 0), v2 = (0, 1), v3 = 2 * v1, v4 = (0.6, 0.8). Later cosines:
+    # S1: S2 0, S3 1.0, S4 0.6 -> 1.0; S2: S3 0, S4 0.8 -> 0.8; S3: S4 0.6;
+    # S4: none. tau 0.75: P = {S1, S2}; S3 is as similar to the earlier S1,
+    # but no later sentence repeats it.
+    vectors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.6, 0.8]])
+    redundant, penalty = redundant_sentences(vectors, tau=0.75)
+    assert redundant.tolist() == [True, True, False, False]
+    assert penalty.tolist() == pytest.approx([1.0, 0.8, 0.0, 0.0])
+    assert redundant_sentences(vectors[:0], tau=0.75)[0].numel() == 0
+
+
+def test_sentences_from_tokens_and_hidden_states():
+    # Delimiter id 5. Generated tokens at positions 10..16, ids
+    # 1 2 5 | 3 5 | 4 4 (unfinished). Hidden states: S1 (2,0) (0,0) (1,0)
+    # -> mean (1, 0); S2 (4,1) (2,-1) -> (3, 0): cosine 1 > 0.9, S1 redundant
+    # with penalty 1; S2 is the last finished sentence.
+    tracker = SentenceTracker(delimiter_table({5, 9}, "cpu"), hidden=2, device="cpu", capacity=1)
+    ids = [1, 2, 5, 3, 5, 4, 4]
+    hidden = [(2, 0), (0, 0), (1, 0), (4, 1), (2, -1), (7, 7), (1, 1)]
+    for i, (token, h) in enumerate(zip(ids, hidden)):  # one decode step at a time, as the engine calls it
+        tracker.add(torch.tensor([10 + i]), torch.tensor([token]), torch.tensor([h], dtype=torch.float32))
+    assert int(tracker.count) == 2
+    assert tracker.vectors[:2].tolist() == [[1.0, 0.0], [3.0, 0.0]]
+    assert tracker.starts[:2].tolist() == [10, 13] and tracker.ends[:2].tolist() == [12, 14]
+    spans = tracker.redundant_spans(tau=0.9)
+    assert spans.starts.tolist() == [10] and spans.ends.tolist() == [12]
+    assert spans.penalty.tolist() == pytest.approx([1.0]) and spans.rank.tolist() == [0]
+    # A token id outside the delimiter table (>= 10) is no delimiter.
+    tracker.add(torch.tensor([17]), torch.tensor([400]), torch.tensor([[1.0, 1.0]]))
+    assert int(tracker.count) == 2
+
+
+def test_span_ranks_most_similar_first_then_oldest():
+    spans = RedundantSpans.of(torch.tensor([0, 5, 9, 20]), torch.tensor([4, 8, 19, 25]),
+                              torch.tensor([True, True, True, False]), torch.tensor([0.92, 0.97, 0.92, 0.0]))
+    assert spans.starts.tolist() == [0, 5, 9]
+    assert spans.rank.tolist() == [1, 0, 2]  # 0.97 first, then the two 0.92 oldest first
+
+
+def one_head(positions, budget, window, due=True):
+    H, S = 1, len(positions) + 2
+    view = empty_view(1, H, S, 1)
+    for i, p in enumerate(positions):
+        view.valid[0, 0, i] = True
+        view.position[0, 0, i] = p
+    return view, torch.tensor([[budget]]), torch.tensor([window]), torch.tensor([[due]])
+
+
+def spans_of(*spans):
+    """spans: (start, end, penalty, rank) -> [1, K] tensors."""
+    t = lambda i, dtype: torch.tensor([[s[i] for s in spans]], dtype=dtype)  # noqa: E731
+    return t(0, torch.int64), t(1, torch.int64), t(2, torch.float32), t(3, torch.int64)
+
+
+def kept(view, evict):
+    return set(view.position[0, 0][view.valid[0, 0] & ~evict[0, 0]].tolist())
+
+
+@pytest.mark.parametrize("budget, expected", [
+    # Positions 0-9 held, window 2 (8, 9 protected). Redundant A = 1-3
+    # (penalty 0.95, rank 0) and B = 5-6 (0.92, rank 1).
+    # budget 6: 4 to go. A goes whole (3, 1 still to go), then B whole (2):
+    # 5 held, one below the budget: sentences are dropped whole.
+    (6, {0, 4, 7, 8, 9}),
+    # budget 8: 2 to go; A alone frees 3: B stays.
+    (8, {0, 4, 5, 6, 7, 8, 9}),
+])
+def test_whole_redundant_sentences_go_first(budget, expected):
+    view, budget_t, window, due = one_head(list(range(10)), budget, 2)
+    score = torch.zeros_like(view.score)  # token scores play no part here
+    evict = skipkv_evict(view, score, budget_t, window, due, *spans_of((1, 3, 0.95, 0), (5, 6, 0.92, 1)))
+    assert kept(view, evict) == expected
+
+
+def test_protected_sentence_stays_and_penalty_ranks_tokens():
+    # Window 6 protects positions 4-9. B = 3-6 (0.92) holds protected tokens:
+    # never dropped whole. A = 0-1 (0.95) goes whole: held 8 > budget 7, so
+    # one more token of the unprotected {2, 3} goes by score: 2 scores 0.1,
+    # 3 scores 0.5 - 0.92 (B's penalty) = -0.42: position 3 goes.
+    view, budget, window, due = one_head(list(range(10)), 7, 6)
+    score = torch.zeros_like(view.score)
+    score[0, 0, 2], score[0, 0, 3] = 0.1, 0.5
+    evict = skipkv_evict(view, score, budget, window, due, *spans_of((0, 1, 0.95, 0), (3, 6, 0.92, 1)))
+    assert kept(view, evict) == {2, 4, 5, 6, 7, 8, 9}
+    # Without the penalty 3 would stay (0.5 > 0.1).
+    evict = skipkv_evict(view, score, budget, window, due, *spans_of((0, 1, 0.95, 0), (3, 6, 0.0, 1)))
+    assert kept(view, evict) == {3, 4, 5, 6, 7, 8, 9}
+
+
+def test_a_head_not_due_keeps_everything():
+    view, budget, window, _ = one_head(list(range(10)), 4, 1)
+    evict = skipkv_evict(view, torch.zeros_like(view.score), budget, window, torch.tensor([[False]]),
+                         *spans_of((1, 3, 0.95, 0)))
+    assert not evict.any()
+
+
+# ----- the policy, host and device together ----------------------------------------
+
+def bound_policy(**params):
+    policy, batch = batch_of("skipkv", [params], [5], H=1)
+    policy.bind_model(ModelInfo(name="t", num_layers=1, num_kv_heads=1, num_q_heads=1, head_dim=2,
+                                delimiter_ids=frozenset({5})))
+    return policy, batch, policy.begin_request(policy.Params(**params), 1, 1)
+
+
+def test_policy_drops_the_repeated_sentence_whole():
+    # Generated tokens at positions 0-9, ids "1 2 5" "3 5" "4 4 5" "6 6"
+    # (delimiter 5): S1 = 0-2, S2 = 3-4, S3 = 5-7. Hidden states: S1 (1, 0),
+    # S2 (0, 1), S3 (2, 0): cos(S1, S3) = 1 > 0.9, S1 is redundant once S3 is
+    # finished (after step 7; refresh 1 reads it at step 8). Budget 5, window
+    # 1, lambda 1 (importance only), kernel 1: attention 0.9 on S1's tokens,
+    # 0.1 elsewhere (ties: lower slot, i.e. older here).
+    # step 5: 0-5 held, 5 protected, keep 0 1 2 3: evict 4 (slot 4)
+    # step 6: 6 in slot 4; keep 0 1 2 3 (slot 3 before slot 5): evict 5
+    # step 7: 7 in slot 5; keep 0 1 2 3: evict 6
+    # step 8: 8 in slot 4; one token to go and S1 is redundant: S1 goes whole
+    #         (0, 1, 2), though its attention is the highest
+    # step 9: 9 in slot 0; 4 held: nothing.
+    policy, batch, state = bound_policy(refresh=1, window=1, kernel=1, lambda_mix=1.0)
+    ids = [1, 2, 5, 3, 5, 4, 4, 5, 6, 6]
+    hidden = [(1, 0)] * 3 + [(0, 1)] * 2 + [(2, 0)] * 3 + [(1, 1)] * 2
+    view = empty_view(1, 1, 12, 2)
+    drops = []
+    for step, (token, h) in enumerate(zip(ids, hidden)):
+        batch.inputs = policy.step_inputs([StepRow(state=state, step=step, pool_row=0, budget=5, prefill=False)],
+                                          "cpu")
+        store(view, step, torch.ones(1, 1, 2))
+        attention = torch.where(view.position.clamp(min=0) <= 2, 0.9, 0.1) * view.valid
+        evict = policy.select_decode(batch, view, Observations(attention=attention))
+        drops.append(set(view.position[0, 0][evict[0, 0]].tolist()))
+        apply(view, evict)
+        policy.on_tokens(state, torch.tensor([step]), torch.tensor([token]), torch.tensor([h], dtype=torch.float32))
+    assert drops == [set()] * 5 + [{4}, {5}, {6}, {0, 1, 2}, set()]
+    assert set(view.position[0, 0][view.valid[0, 0]].tolist()) == {3, 7, 8, 9}
+    assert batch.inputs["span_starts"].tolist() == [[0]] and batch.inputs["span_ends"].tolist() == [[2]]
+    assert batch.inputs["span_penalty"][0].tolist() == pytest.approx([1.0])
+
+
+def test_policy_before_any_sentence_is_rkv():
+    # No sentence finished: skipkv keeps exactly what rkv keeps.
+    skip, sbatch = batch_of("skipkv", [{}], [4], H=2)
+    rkv, rbatch = batch_of("rkv", [{}], [4], H=2)
+    gen = torch.Generator().manual_seed(11)
+    sview, rview = empty_view(1, 2, 8, 3), empty_view(1, 2, 8, 3)
+    for step in range(12):
+        key = torch.randn(1, 2, 3, generator=gen)
+        store(sview, step, key)
+        store(rview, step, key)
+        attention = torch.rand(1, 2, 8, generator=gen)
+        s = skip.select_decode(sbatch, sview, Observations(attention=attention * sview.valid))
+        r = rkv.select_decode(rbatch, rview, Observations(attention=attention * rview.valid))
+        assert torch.equal(s, r)
+        apply(sview, s)
+        apply(rview, r)
+
+
+def test_prompt_tokens_make_no_sentences():
+    policy, _, state = bound_policy()
+    policy.step_inputs([StepRow(state=state, step=0, pool_row=0, budget=5, prefill=True)], "cpu")
+    policy.on_tokens(state, torch.arange(3), torch.tensor([1, 5, 5]), torch.ones(3, 2))
+    assert state.tracker is None
+    policy.step_inputs([StepRow(state=state, step=0, pool_row=0, budget=5, prefill=False)], "cpu")
+    policy.on_tokens(state, torch.tensor([3]), torch.tensor([5]), torch.ones(1, 2))
+    assert int(state.tracker.count) == 1
+
+
+# ----- properties -------------------------------------------------------------------
+
+@st.composite
+def span_tables(draw, R, max_pos):
+    """Per row: disjoint sorted spans with penalties and a rank permutation, padded to one K."""
+    rows = []
+    for _ in range(R):
+        cuts = sorted(set(draw(st.lists(st.integers(0, max_pos), max_size=8))))
+        spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2])]
+        pen = [draw(st.floats(0.9, 1.0)) for _ in spans]
+        rows.append((spans, pen))
+    K = max(len(s) for s, _ in rows)
+    starts = torch.full((R, K), FAR)
+    ends = torch.full((R, K), FAR)
+    penalty = torch.zeros(R, K)
+    rank = torch.arange(K).repeat(R, 1)
+    for r, (spans, pen) in enumerate(rows):
+        if spans:
+            starts[r, :len(spans)] = torch.tensor([a for a, _ in spans])
+            ends[r, :len(spans)] = torch.tensor([b for _, b in spans])
+            penalty[r, :len(spans)] = torch.tensor(pen)
+            perm = draw(st.permutations(list(range(len(spans)))))
+            rank[r, :len(spans)] = torch.tensor(perm)
+    return {"span_starts": starts, "span_ends": ends, "span_penalty": penalty, "span_rank": rank}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), seed=st.integers(0, 2**31 - 1), budgets=st.lists(st.integers(1, 10), min_size=1, max_size=3),
+       window=st.integers(1, 6), buffer=st.integers(1, 3), steps=st.integers(1, 30))
+def test_properties_budget_current_token_determinism(data, seed, budgets, window, buffer, steps):
+    R, H, S, D = len(budgets), 2, 16, 3
+    policy, batch = batch_of("skipkv", [{"window": window, "buffer": buffer}] * R, budgets, H)
+    gen = torch.Generator().manual_seed(seed)
+    view = empty_view(R, H, S, D)
+    budget = torch.tensor(budgets).view(-1, 1)
+    for step in range(steps):
+        batch.inputs = data.draw(span_tables(R, step + 1))
+        store(view, step, torch.randn(R, H, D, generator=gen))
+        attention = torch.rand(R, H, S, generator=gen) * view.valid
+        before = SlotView(view.valid.clone(), view.position.clone(), view.score.clone(), view.last_hit.clone(),
+                          view.keys.clone())
+        evict = policy.select_decode(batch, view, Observations(attention=attention))
+        again = policy.select_decode(batch, before, Observations(attention=attention.clone()))
+        assert torch.equal(evict, again)  # deterministic
+        assert not (evict & (view.position == step)).any()  # never the current token
+        assert not (evict & ~view.valid).any()
+        evicted = evict.any(dim=-1)
+        apply(view, evict)
+        assert (view.held[evicted] <= budget.expand(-1, H)[evicted]).all()  # within budget after evicting
+        assert (view.held <= budget + buffer - 1).all()
+
+
+def test_ceiling_and_params():
+    cls = get_policy("skipkv")
+    assert cls().max_private_tokens(cls.Params(), 10, 100, 32) == 33
+    spec = parse_kv_policy({"name": "skipkv", "budget": 64})
+    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 1, "tau": 0.9, "refresh": 16}
+    for bad in ({"tau": 1.5}, {"refresh": 0}, {"sigma": 0.5}):
+        with pytest.raises(KVPolicyError) as info:
+            parse_kv_policy({"name": "skipkv", "params": bad})
+        assert info.value.field == f"kv_policy.params.{next(iter(bad))}"
