@@ -57,7 +57,10 @@ class Pool:
         return self.v[layer]
 
 
-def probe(policy: str, rows: int, prompt: int, steps: int, device: str) -> dict:
+def make_backend(policy: str, rows: int, prompt: int, steps: int, device: str, graphs=None, budget: int = 64):
+    """The kvsieve backend outside SGLang, with `rows` compressed requests of
+    `policy` whose prompts sit in the token pool, and the fake batch of
+    step s (0-based)."""
     RUNTIME.requests.clear()
     RUNTIME.region = PageManager(RegionConfig(num_layers=LAYERS, num_kv_heads=H, head_dim=D, num_pages=rows * 40 * LAYERS * H // 4,
                                               page_size=16, dtype=torch.bfloat16, device=device, max_rows=rows + 1))
@@ -69,16 +72,29 @@ def probe(policy: str, rows: int, prompt: int, steps: int, device: str) -> dict:
                             num_layers=LAYERS, device=device, pages=RUNTIME.region, step=None,
                             use_kernel=os.environ.get("KVSIEVE_DECODE_KERNEL",
                                                       "triton" if device == "cuda" else "torch") == "triton",
-                            steps=StepBuilder(RUNTIME.region, req_to_token, device))
+                            steps=StepBuilder(RUNTIME.region, req_to_token, device), graphs=graphs)
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):
-        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": 64, "compress_prompt": False}}, prompt_len=prompt,
+        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget, "compress_prompt": False}}, prompt_len=prompt,
                       sgl_req=SimpleNamespace(req_pool_idx=i + 1, to_finish=None))
         req = RUNTIME.requests[rid]
         RUNTIME.reserve(req, 0, steps + 1)
         req.prefix_len = prompt  # the prompt is in the token pool (compress_prompt off)
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=HQ, tp_k_head_num=H, qk_head_dim=D, v_head_dim=D,
                             scaling=D ** -0.5)
+
+    def batch(s):
+        seq = [prompt + s + 1] * rows
+        return SimpleNamespace(rids=rids, forward_mode=Mode(decode=True), seq_lens_cpu=torch.tensor(seq),
+                               seq_lens=torch.tensor(seq, device=device),
+                               req_pool_indices=torch.arange(1, rows + 1, device=device),
+                               positions=torch.tensor(seq, device=device) - 1)
+
+    return backend, layer, rids, batch
+
+
+def probe(policy: str, rows: int, prompt: int, steps: int, device: str) -> dict:
+    backend, layer, rids, batch = make_backend(policy, rows, prompt, steps, device)
     syncs: dict[str, int] = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -92,11 +108,7 @@ def probe(policy: str, rows: int, prompt: int, steps: int, device: str) -> dict:
     k3 = torch.randn(rows, H, D, dtype=torch.bfloat16, device=device)
     v3 = torch.randn(rows, H, D, dtype=torch.bfloat16, device=device)
     for s in range(steps):
-        seq = [prompt + s + 1] * rows
-        fb = SimpleNamespace(rids=rids, forward_mode=Mode(decode=True), seq_lens_cpu=torch.tensor(seq),
-                             seq_lens=torch.tensor(seq, device=device),
-                             req_pool_indices=torch.arange(1, rows + 1, device=device),
-                             positions=torch.tensor(seq, device=device) - 1)
+        fb = batch(s)
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -100,6 +100,12 @@ class Policy:
     #: the region after each step only then: it is a write per layer per step).
     keeps_slot_state: ClassVar[bool] = False
     description: ClassVar[str] = ""
+    #: Whether select_decode may be captured in a CUDA graph and replayed
+    #: (radix_ext/region_graphs.py): its only host inputs are shapes and
+    #: parameter maxima, and it does not allocate state it keeps. Set it
+    #: once a GPU run shows the graph replay equals the eager pass
+    #: (bench/graph_probe.py).
+    graph_safe: ClassVar[bool] = False
 
     # ----- batched decisions (inside the forward) ---------------------------
     def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:

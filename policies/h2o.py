@@ -15,6 +15,7 @@ class H2OPolicy(Policy):
     needs = Need.ATTENTION
     keeps_slot_state = True
     description = "Heavy hitters by accumulated attention plus recent tokens."
+    graph_safe = True
 
     def _evict(self, batch, view):
         recent_n = batch.budget // 2  # [R, H]

@@ -26,6 +26,7 @@ class LongFlowPolicy(Policy):
     needs = Need.PV_NORM | Need.ATTENTION
     compress_prompt = True
     description = "Static cache: each step the new token overwrites the lowest |p*v| slot of the layer."
+    graph_safe = True
 
     def select_prefill(self, batch, view, obs):
         # Cut the prompt to exactly the budget (window included), layer-wide:

@@ -63,6 +63,7 @@ class SnapKVPolicy(Policy):
     needs = Need.ATTENTION
     compress_prompt = True
     description = "Prefill-time selection by the attention of the prompt's last queries."
+    graph_safe = True
 
     def select_prefill(self, batch, view, obs):
         keep = snapkv_keep(view, obs.attention, batch.param("window"), batch.param("kernel"),

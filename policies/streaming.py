@@ -19,6 +19,7 @@ class StreamingPolicy(Policy):
     name = "streaming"
     Params = StreamingParams
     description = "Attention sinks plus a sliding window of recent tokens."
+    graph_safe = True
 
     def _evict(self, batch, view):
         budget = batch.budget.unsqueeze(-1)  # [R, H, 1]

@@ -36,7 +36,9 @@ from kvsieve.kernels.attention_ref import attend_rows
 from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.policies import Need, Observations, SlotView
 
+from . import region_graphs
 from .model_info import build_model_info
+from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
 from .step_meta import StepBuilder, StepMeta
 
@@ -79,6 +81,8 @@ class KvsieveAttnBackend(AttentionBackend):
         if choice not in ("triton", "torch"):
             raise ValueError(f"KVSIEVE_DECODE_KERNEL must be 'triton' or 'torch', not {choice!r}")
         self.use_kernel = choice == "triton"
+        #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
+        self.graphs = RegionGraphs() if region_graphs.enabled(self.device) else None
         logger.warning("kvsieve: compressed rows' decode attention runs %s",
                        "the Triton kernel (kernels/decode_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
@@ -118,6 +122,12 @@ class KvsieveAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch):
         RUNTIME.after_step()  # host bookkeeping of the previous step (rate-limited)
         self.step = self.steps.build(forward_batch)
+        if self.graphs is not None:
+            decode = self.step is not None and self.step.region is not None and self.step.extend is None
+            if decode:
+                self.graphs.begin_step(self.step, needs_keys=bool(self.step.region.needs & Need.KEYS))
+            else:
+                self.graphs.current = None
         if self.step is None:
             self.inner.init_forward_metadata(forward_batch)
         elif self.step.pool_batch is not None:
@@ -173,7 +183,8 @@ class KvsieveAttnBackend(AttentionBackend):
         if step.zero_batch_index is not None:
             o3.index_fill_(0, step.zero_batch_index, 0)
         if step.region is not None:
-            self._decode_region(q3, k3, v3, o3, layer, step)
+            if self.graphs is None or not self.graphs.run(self._decode_region, layer, q3, k3, v3, o3):
+                self._decode_region(q3, k3, v3, o3, layer, step)
         return o3.flatten(1)
 
     # ----- the batched compressed pass ----------------------------------------

@@ -1,0 +1,169 @@
+"""CUDA graphs of the compressed decode pass, one per layer, keyed by the
+step's shapes.
+
+Without graphs the per-layer pass is launch-bound: ~100 small kernels per
+layer (store, gathers, the policies' tensor ops, write-back), each a few
+microseconds of GPU work behind tens of microseconds of Python. In steady
+decode the shapes of a step (rows, page-table width, longest prefix, the
+policy groups and their sizes) stay the same for many steps, so the pass is
+captured once per layer for those shapes and replayed: before the forward
+the new step's metadata is copied into the captured tensors (one copy per
+tensor, once per step), and each layer copies its q/k/v rows in and its
+output rows out around a replay.
+
+The first step of a new shape runs the pass eagerly for real, then captures
+it (capture records, it does not execute), so no step is applied twice.
+Only policies marked `graph_safe` are captured: their decisions are tensor
+functions of (batch, view, obs) whose host-side inputs (shapes, parameter
+maxima) are part of the key. SGLang's own graphs keep running batches
+without compressed rows (plugin.graphs_skip_compressed_batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Shapes kept captured at once (28 graphs each); the least recently used goes.
+MAX_SHAPES = int(os.environ.get("KVSIEVE_REGION_GRAPH_SHAPES", "4"))
+
+
+def enabled(device) -> bool:
+    return torch.device(device).type == "cuda" and os.environ.get("KVSIEVE_REGION_GRAPHS", "1") == "1"
+
+
+def step_tensors(step) -> list[torch.Tensor]:
+    """Every tensor of a decode step's metadata the per-layer pass reads, in
+    a fixed order (not batch_index: the captured pass reads its rows from
+    static inputs in order)."""
+    rows = step.region
+    out = [rows.pool_rows, rows.tables, rows.prefix_slots, rows.prefix_mask, rows.prefix_lens,
+           rows.positions]
+    for group in rows.groups:
+        out += [group.rows, group.budget, group.step, group.pool_rows]
+        out += [group.params[k] for k in sorted(group.params)]
+        out += [group.inputs[k] for k in sorted(group.inputs)]
+    return out
+
+
+def signature(step, needs_keys: bool) -> Optional[tuple]:
+    """The key of a decode step's captured graphs, or None when it must run
+    eagerly (a policy not marked graph_safe, rows being aborted)."""
+    rows = step.region
+    if rows is None or step.zero_batch_index is not None:
+        return None
+    groups = []
+    for group in rows.groups:
+        if not getattr(group.policy, "graph_safe", False):
+            return None
+        groups.append((type(group.policy).__qualname__, tuple(sorted(group.maxima.items())),
+                       tuple(sorted(group.inputs))))
+    shapes = tuple((tuple(t.shape), t.dtype) for t in step_tensors(step))
+    return (shapes, tuple(groups), rows.needs, rows.keeps_state, needs_keys)
+
+
+@dataclass
+class _Captured:
+    step: object  # a StepMeta whose tensors are this entry's static copies
+    tensors: list  # step_tensors(step)
+    q: Optional[torch.Tensor] = None  # static inputs/outputs of the compressed rows
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    o: Optional[torch.Tensor] = None
+    graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
+    pool: object = None  # the graphs' shared memory pool
+
+
+class RegionGraphs:
+    def __init__(self):
+        self.cache: "OrderedDict[tuple, _Captured]" = OrderedDict()
+        self.current: Optional[_Captured] = None
+        self.batch_index: Optional[torch.Tensor] = None
+        self.captures = 0
+        self.replays = 0
+
+    def begin_step(self, step, needs_keys: bool) -> None:
+        """Before the forward: pick (or make) the captured entry of this
+        step's shapes and copy the step's metadata into it."""
+        self.current = None
+        key = signature(step, needs_keys)
+        if key is None:
+            return
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self._new_entry(step)
+            self.cache[key] = entry
+            while len(self.cache) > MAX_SHAPES:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
+            for static, fresh in zip(entry.tensors, step_tensors(step)):
+                static.copy_(fresh, non_blocking=True)
+        self.current = entry
+        self.batch_index = step.region.batch_index  # where the compressed rows are in this step's batch
+
+    @staticmethod
+    def _new_entry(step) -> _Captured:
+        import copy
+
+        static = copy.copy(step)
+        static.region = copy.copy(step.region)
+        rows = static.region
+        for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "positions"):
+            setattr(rows, name, getattr(rows, name).clone())
+        # The captured pass reads the compressed rows from static inputs, in order.
+        rows.batch_index = torch.arange(rows.pool_rows.shape[0], device=rows.pool_rows.device)
+        groups = []
+        for group in rows.groups:
+            g = copy.copy(group)
+            g.rows, g.budget, g.step, g.pool_rows = (group.rows.clone(), group.budget.clone(), group.step.clone(),
+                                                     group.pool_rows.clone())
+            g.params = {k: v.clone() for k, v in group.params.items()}
+            g.inputs = {k: v.clone() for k, v in group.inputs.items()}
+            groups.append(g)
+        rows.groups = groups
+        return _Captured(step=static, tensors=step_tensors(static))
+
+    def run(self, run_pass, layer, q3, k3, v3, o3) -> bool:
+        """Run this layer's pass for the compressed rows through the graph of
+        the step's shapes; False when the step runs eagerly (no entry)."""
+        entry = self.current
+        if entry is None:
+            return False
+        idx = self.batch_index
+        if entry.q is None:
+            entry.q, entry.k, entry.v = q3[idx].clone(), k3[idx].clone(), v3[idx].clone()
+            entry.o = o3[idx].clone()
+        entry.q.copy_(q3[idx])
+        entry.k.copy_(k3[idx])
+        entry.v.copy_(v3[idx])
+        graph = entry.graphs.get(layer.layer_id)
+        if graph is None:
+            # This step for real, eagerly, on the static tensors; then capture
+            # the same pass (recorded, not executed) for the next steps.
+            run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=entry.pool)
+                try:
+                    run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            entry.pool = entry.pool or graph.pool()
+            entry.graphs[layer.layer_id] = graph
+            self.captures += 1
+        else:
+            graph.replay()
+            self.replays += 1
+        o3[idx] = entry.o
+        return True

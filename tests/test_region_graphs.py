@@ -1,0 +1,69 @@
+"""The host side of the compressed decode pass's CUDA graphs
+(radix_ext/region_graphs.py): which steps are captured, under which key,
+and that a later step of the same shapes reuses the entry with its metadata
+copied in. Capture and replay need a GPU: bench/graph_probe.py compares
+them with the eager pass there (results in bench/results/)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvsieve.policies import get_policy
+from kvsieve.radix_ext.pages import PageManager, RegionConfig
+from kvsieve.radix_ext.region_graphs import RegionGraphs, signature, step_tensors
+from kvsieve.radix_ext.runtime import RUNTIME
+from kvsieve.radix_ext.step_meta import StepBuilder
+
+from test_step_meta import admit, decode_batch
+
+L, H, D, P = 2, 2, 4, 4
+
+
+@pytest.fixture
+def builder():
+    RUNTIME.region = PageManager(RegionConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_pages=2000,
+                                              page_size=P, max_rows=8))
+    RUNTIME.counters = torch.zeros((8, 2), dtype=torch.int64)
+    RUNTIME.overflow_flags = torch.zeros(8, dtype=torch.bool)
+    try:
+        yield StepBuilder(RUNTIME.region, torch.arange(8 * 2000, dtype=torch.int32).view(8, 2000), "cpu")
+    finally:
+        RUNTIME.requests.clear()
+        RUNTIME.token_observers.clear()
+        RUNTIME.region = None
+
+
+def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
+    for rid, row in (("a", 3), ("b", 5)):
+        admit(rid, {"name": "h2o", "budget": 8}, prompt_len=5, row=row).prefix_len = 5
+    graphs = RegionGraphs()
+    first = builder.build(decode_batch(["a", "b"], [3, 5], [6, 6]))
+    graphs.begin_step(first, needs_keys=False)
+    entry = graphs.current
+    assert entry is not None and entry.step.region.batch_index.tolist() == [0, 1]
+    assert entry.step.region.positions.tolist() == [5, 5]
+    # The next step: same shapes, new positions and decode steps, rows swapped in the batch.
+    second = builder.build(decode_batch(["b", "a"], [5, 3], [7, 7]))
+    assert signature(second, False) == signature(first, False)
+    graphs.begin_step(second, needs_keys=False)
+    assert graphs.current is entry and len(graphs.cache) == 1
+    assert graphs.batch_index.tolist() == [0, 1]
+    for static, fresh in zip(entry.tensors, step_tensors(second)):
+        assert torch.equal(static, fresh) and static.data_ptr() != fresh.data_ptr()
+    assert entry.step.region.pool_rows.tolist() == [5, 3]
+
+
+def test_new_shapes_make_a_new_entry_and_unsafe_policies_run_eagerly(builder, monkeypatch):
+    admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
+    admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
+    graphs = RegionGraphs()
+    graphs.begin_step(builder.build(decode_batch(["a"], [3], [6])), needs_keys=False)
+    graphs.begin_step(builder.build(decode_batch(["a", "b"], [3, 5], [7, 6])), needs_keys=False)
+    assert len(graphs.cache) == 2  # one row, then two policy groups
+    monkeypatch.setattr(get_policy("streaming"), "graph_safe", False)
+    step = builder.build(decode_batch(["a", "b"], [3, 5], [8, 7]))
+    assert signature(step, False) is None
+    graphs.begin_step(step, needs_keys=False)
+    assert graphs.current is None
+    assert graphs.run(None, SimpleNamespace(layer_id=0), None, None, None, None) is False
