@@ -148,11 +148,13 @@ class ThinKVPolicy(Policy):
         key = (row.prefill, row.step, row.private_tokens, row.budget)
         if state.last_key == key:
             return state.last_row
+        before = None  # what the device holds per segment, when this step may cut
         if row.prefill:
             # The private prompt so far; the last call of a prefill has all of it.
             book = state.book = state.new_book()
             book.add_prompt(row.private_tokens)
-            before = [s.kept for s in book.segments]  # the device holds the whole prompt
+            if book.held > row.budget:
+                before = [s.kept for s in book.segments]  # the device holds the whole prompt
         else:
             book = state.book
             if book is None:
@@ -160,19 +162,24 @@ class ThinKVPolicy(Policy):
                 prompt = row.private_tokens - (row.step + 1)
                 if prompt > 0:  # a prompt in the region whose selection this policy never saw
                     book.add_prompt(prompt)
-            before = [s.kept for s in book.segments]  # what the device holds from earlier steps
             k = row.step // book.refresh
-            if row.step and row.step % book.refresh == 0:
-                ended = book.generated(k - 1)
-                if ended is not None and ended.thought == Thought.TRANSITION:
-                    book.transition_ended(k - 1)  # case 1
+            ended = book.generated(k - 1) if row.step and row.step % book.refresh == 0 else None
+            if ended is not None and ended.thought == Thought.TRANSITION:
+                before = [s.kept for s in book.segments] + [0]  # + the segment this step opens
+                book.transition_ended(k - 1)  # case 1
             book.add_generated(row.step)
-            if len(before) < len(book.segments):
-                before.append(0)
-            before[-1] += 1  # what the device holds once this step's token is stored
+            if before is None and book.held > row.budget:
+                before = [s.kept for s in book.segments]  # this step's token stored
+            elif before is not None:
+                before[-1] = book.segments[-1].kept  # this step's token stored
         book.fit_budget(row.budget)
         # The device cuts a segment to its target when it holds more; the
-        # newest segment holds the current token, which stays.
+        # newest segment holds the current token, which stays. A row that
+        # cuts nothing needs no targets (an empty list: never cut).
+        if before is None:
+            result = ([], book.prompt_segments, [])
+            state.last_key, state.last_row = key, result
+            return result
         newest = len(book.segments) - 1
         cuts = [(i, had - (i == newest), seg.kept - (i == newest))
                 for i, (seg, had) in enumerate(zip(book.segments, before)) if seg.kept < had]

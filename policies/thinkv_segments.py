@@ -60,6 +60,7 @@ class SegmentBook:
     retention: Sequence[int]  # descending, e.g. (64, 32, 16, 8, 4)
     segments: list[Segment] = field(default_factory=list)
     prompt_segments: int = 0  # how many leading segments are prompt chunks
+    held: int = 0  # tokens each (layer, head) retains, all segments (kept up to date)
     anneal_events: int = 0  # transitions that annealed earlier segments (case 1)
     budget_events: int = 0  # segment anneals or drops forced by the budget (case 2)
 
@@ -72,6 +73,7 @@ class SegmentBook:
         for i in range(chunks):
             size = self.refresh if i < chunks - 1 else tokens - self.refresh * (chunks - 1)
             self.segments.append(Segment(index=-(i + 1), size=size, kept=size, thought=Thought.REASONING))
+            self.held += size
         self.segments.reverse()  # oldest first
         self.prompt_segments = chunks
 
@@ -83,17 +85,18 @@ class SegmentBook:
         seg = self.segments[-1]
         seg.size += 1
         seg.kept += 1
+        self.held += 1
         return seg
 
     def generated(self, k: int) -> Optional[Segment]:
         i = self.prompt_segments + k
         return self.segments[i] if 0 <= i < len(self.segments) else None
 
-    @property
-    def held(self) -> int:
-        return sum(s.kept for s in self.segments)
-
     # ----- eviction decisions ------------------------------------------------
+    def _keep(self, seg: Segment, kept: int) -> None:
+        self.held += kept - seg.kept
+        seg.kept = kept
+
     def _anneal(self, seg: Segment) -> bool:
         """Move `seg` to its next retention level that cuts it; False when no
         level can (already at the last one, or at most its size)."""
@@ -101,7 +104,7 @@ class SegmentBook:
             seg.level += 1  # a level at or above what it holds changes nothing
         if seg.level >= len(self.retention):
             return False
-        seg.kept = self.retention[seg.level]
+        self._keep(seg, self.retention[seg.level])
         seg.level += 1
         return True
 
@@ -114,7 +117,7 @@ class SegmentBook:
         for seg in self.segments[: self.prompt_segments + k]:
             if seg.level < len(self.retention):
                 before = seg.kept
-                seg.kept = min(seg.kept, self.retention[seg.level])
+                self._keep(seg, min(seg.kept, self.retention[seg.level]))
                 seg.level += 1
                 shrunk += seg.kept < before
         self.anneal_events += 1
@@ -127,21 +130,23 @@ class SegmentBook:
         paper is silent)** whole segments go, least important and oldest
         first, never the newest (it holds the current token); last, the
         newest is cut to what the budget leaves (at least its current token)."""
+        floor = self.retention[-1]
         while self.held > budget:
-            movable = [s for s in self.segments if s.level < len(self.retention) and s.kept > self.retention[-1]]
+            movable = [(s.importance, i) for i, s in enumerate(self.segments)
+                       if s.level < len(self.retention) and s.kept > floor]
             if movable:
-                self._anneal(min(movable, key=lambda s: (s.importance, self.segments.index(s))))
+                self._anneal(self.segments[min(movable)[1]])
                 self.budget_events += 1
                 continue
-            droppable = [s for s in self.segments[:-1] if s.kept > 0]
+            droppable = [(s.importance, i) for i, s in enumerate(self.segments[:-1]) if s.kept > 0]
             if droppable:
-                seg = min(droppable, key=lambda s: (s.importance, self.segments.index(s)))
-                seg.kept = 0
+                seg = self.segments[min(droppable)[1]]
+                self._keep(seg, 0)
                 seg.level = len(self.retention)
                 self.budget_events += 1
                 continue
             newest = self.segments[-1]
-            newest.kept = max(1, budget - (self.held - newest.kept))
+            self._keep(newest, max(1, budget - (self.held - newest.kept)))
             newest.level = len(self.retention)
             self.budget_events += 1
             break
