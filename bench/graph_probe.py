@@ -29,6 +29,7 @@ BUDGET = 16  # below the steps: every policy evicts during the probe
 
 
 def run(policy: str, rows: int, prompt: int, steps: int, graphs: bool) -> dict:
+    torch.manual_seed(0)  # the token pool's random prefix K/V: the same in both runs
     backend, layer, rids, batch = make_backend(policy, rows, prompt, steps, "cuda",
                                                graphs=RegionGraphs() if graphs else None, budget=BUDGET)
     gen = torch.Generator(device="cuda").manual_seed(0)
