@@ -11,8 +11,9 @@ the new step's metadata is copied into the captured tensors (one copy per
 tensor, once per step), and each layer copies its q/k/v rows in and its
 output rows out around a replay.
 
-The first step of a new shape runs the pass eagerly for real, then captures
-it (capture records, it does not execute), so no step is applied twice.
+Shapes seen for the first time run eagerly; the second consecutive step of
+the same shapes runs the pass eagerly for real, then captures it (capture
+records, it does not execute), so no step is applied twice.
 Only policies marked `graph_safe` are captured: their decisions are tensor
 functions of (batch, view, obs) whose host-side inputs (shapes, parameter
 maxima) are part of the key. SGLang's own graphs keep running batches
@@ -86,6 +87,7 @@ class RegionGraphs:
         self.cache: "OrderedDict[tuple, _Captured]" = OrderedDict()
         self.current: Optional[_Captured] = None
         self.batch_index: Optional[torch.Tensor] = None
+        self.last_key: Optional[tuple] = None
         self.captures = 0
         self.replays = 0
 
@@ -94,10 +96,15 @@ class RegionGraphs:
         step's shapes and copy the step's metadata into it."""
         self.current = None
         key = signature(step, needs_keys)
+        seen_before, self.last_key = self.last_key == key, key
         if key is None:
             return
         entry = self.cache.get(key)
         if entry is None:
+            if not seen_before:
+                # Shapes change every step while requests join (prefills
+                # between decodes): capture only shapes that held for two steps.
+                return
             entry = self._new_entry(step)
             self.cache[key] = entry
             while len(self.cache) > MAX_SHAPES:

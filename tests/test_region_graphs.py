@@ -40,6 +40,8 @@ def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
     graphs = RegionGraphs()
     first = builder.build(decode_batch(["a", "b"], [3, 5], [6, 6]))
     graphs.begin_step(first, needs_keys=False)
+    assert graphs.current is None  # shapes seen once run eagerly
+    graphs.begin_step(first, needs_keys=False)
     entry = graphs.current
     assert entry is not None and entry.step.region.batch_index.tolist() == [0, 1]
     assert entry.step.region.positions.tolist() == [5, 5]
@@ -58,8 +60,9 @@ def test_new_shapes_make_a_new_entry_and_unsafe_policies_run_eagerly(builder, mo
     admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
     admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
     graphs = RegionGraphs()
-    graphs.begin_step(builder.build(decode_batch(["a"], [3], [6])), needs_keys=False)
-    graphs.begin_step(builder.build(decode_batch(["a", "b"], [3, 5], [7, 6])), needs_keys=False)
+    for fb in (decode_batch(["a"], [3], [6]), decode_batch(["a"], [3], [7]),
+               decode_batch(["a", "b"], [3, 5], [8, 6]), decode_batch(["a", "b"], [3, 5], [9, 7])):
+        graphs.begin_step(builder.build(fb), needs_keys=False)
     assert len(graphs.cache) == 2  # one row, then two policy groups
     monkeypatch.setattr(get_policy("streaming"), "graph_safe", False)
     step = builder.build(decode_batch(["a", "b"], [3, 5], [8, 7]))
