@@ -161,7 +161,7 @@ def sglang_case(R, Hq, Hkv, N):
 def timings(copy_gbs: float, quick: bool) -> list[dict]:
     rows = []
     # (block, warps, stages): round 2 found block 32, 4 warps best everywhere (bench/results/gpu-kernels-round2.json)
-    tunings = [(32, 4, 2), (32, 4, 3), (64, 4, 2)]
+    tunings = [(32, 4, 2), (32, 4, 3)]
     for model, (Hq, Hkv) in SHAPES.items():
         for R in BATCHES[:2] if quick else BATCHES:
             for N in TOKENS[:2] if quick else TOKENS:
@@ -178,7 +178,7 @@ def timings(copy_gbs: float, quick: bool) -> list[dict]:
                 scale = D ** -0.5
                 best = None
                 for block, warps, stages in tunings:
-                    for splits in [None, 4, 8, 16]:
+                    for splits in [None, 8, 16]:
                         ms = median_ms(lambda: decode_attention(**case, scale=scale, num_splits=splits, block=block,
                                                                 num_warps=warps, num_stages=stages))
                         key = f"block{block}-warps{warps}-stages{stages}-splits{splits or 'auto'}"
