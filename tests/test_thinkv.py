@@ -266,3 +266,15 @@ def test_params_are_validated():
     for bad in ({"refresh": 0}, {"retention": (4, 8)}, {"retention": ()}, {"kmeans_iters": -1}, {"nope": 1}):
         with pytest.raises(ValueError):
             cls.Params(**bad)
+
+
+@settings(max_examples=20, deadline=None)
+@given(low=st.floats(0.05, 0.3), gap1=st.floats(0.2, 0.3), gap2=st.floats(0.2, 0.3), seed=st.integers(0, 99))
+def test_calibration_thresholds_separate_any_three_clear_modes(low, gap1, gap2, seed):
+    rng = np.random.default_rng(seed)
+    centres = (low, low + gap1, low + gap1 + gap2)
+    traces = [mixture(rng, centres, 0.02, 300).reshape(-1, 1) for _ in range(2)]
+    layers, (theta_low, theta_high) = calibrate(traces)
+    assert layers == [0]
+    assert centres[0] < theta_low < centres[1] < theta_high < centres[2]
+    assert [classify(c, theta_low, theta_high) for c in centres] == [E_, R_, T_]
