@@ -9,12 +9,14 @@ over its budget drops whole redundant sentences first, then its tokens of
 lowest R-KV score (policies.rkv_scores) minus lambda_ij for tokens of a
 redundant sentence (policies.skipkv_select).
 
-Host/device split: sentences accumulate on the device in on_tokens (no
-sync); step_inputs reads the finished-sentence count back every `refresh`
-decode steps and, when a sentence was finished since, the redundant set
-(decision: refresh 16 by default, so a redundant sentence is seen up to 15
-steps late; 1 reads every step). The spans reach the decisions as
-[R, K] tensors, cached per request between changes.
+Host/device split: on_tokens queues each request's tokens; step_inputs
+folds the queue of every request into the device state at once
+(policies.skipkv_book: no sync), reads the finished-sentence counts back
+every `refresh` decode steps and, when a sentence was finished since, the
+redundant set (decision: refresh 16 by default, so a redundant sentence is
+seen up to 15 steps late; 1 reads every step). The spans reach the
+decisions as [R, K] tensors (K padded to a power of two, so that the shapes
+of a captured step change rarely), cached per request between changes.
 
 Batching (SkipKV reorders padded batches by prompt length so that padding
 does not eat the budget): SGLang's batches are ragged, each row's slots are
@@ -35,8 +37,9 @@ from .observations import Need, to_device
 from .registry import register_policy
 from .rkv import RKVBase, RKVParams
 from .rkv_scores import due_heads, observe_attention
+from .skipkv_book import RowSentences, SentenceBook, delimiter_table
 from .skipkv_select import FAR, skipkv_evict
-from .skipkv_sentences import RedundantSpans, SentenceTracker, delimiter_table
+from .skipkv_sentences import RedundantSpans
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,8 @@ class SkipKVState(RequestState):
         #: Set by step_inputs before each forward: tokens seen by on_tokens
         #: after a decode step's metadata are generated, others prompt.
         self.decoding = False
-        self.tracker: Optional[SentenceTracker] = None
+        self.pool_row = -1
+        self.sentences: Optional[RowSentences] = None  # its row in the policy's SentenceBook
 
 
 @register_policy
@@ -65,20 +69,23 @@ class SkipKVPolicy(RKVBase):
 
     _delimiters: Optional[torch.Tensor] = None
     _warned = False
+    book: Optional[SentenceBook] = None  # every request's sentences, on the hidden states' device
 
     def begin_request(self, params, num_layers, num_kv_heads) -> SkipKVState:
         return SkipKVState(params, num_layers, num_kv_heads)
 
     # ----- host, once per forward ---------------------------------------------
     def on_tokens(self, state: SkipKVState, positions, token_ids, hidden_states) -> None:
-        if not state.decoding or hidden_states is None:
+        if not state.decoding or hidden_states is None or state.pool_row < 0:
             return  # prompt tokens: sentences are cut from generated tokens only
-        if state.tracker is None:
+        if self.book is None:
             delimiters = self._delimiter_table(hidden_states.device)
             if delimiters is None:
                 return
-            state.tracker = SentenceTracker(delimiters, hidden_states.shape[-1], hidden_states.device)
-        state.tracker.add(positions, token_ids, hidden_states)
+            self.book = SentenceBook(delimiters, hidden_states.shape[-1], hidden_states.device)
+        if state.sentences is None:
+            state.sentences = self.book.open(state.pool_row)
+        self.book.add(state.sentences, positions, token_ids, hidden_states)
 
     def _delimiter_table(self, device) -> Optional[torch.Tensor]:
         if self._delimiters is None or self._delimiters.device != torch.device(device):
@@ -92,15 +99,18 @@ class SkipKVPolicy(RKVBase):
 
     # ----- host, once per step --------------------------------------------------
     def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
-        spans = []
         for row in rows:
-            state: SkipKVState = row.state
-            state.decoding = not row.prefill
-            tracker = state.tracker
-            if tracker is not None and not row.prefill and row.step % state.params.refresh == 0:
-                tracker.redundant_spans(state.params.tau)
-            spans.append(tracker.spans if tracker is not None else RedundantSpans.empty())
-        K = max(s.starts.numel() for s in spans)
+            row.state.decoding = not row.prefill
+            row.state.pool_row = row.pool_row
+        if self.book is not None:
+            self.book.flush()
+            self.book.read([(row.state.sentences, row.state.params.tau) for row in rows
+                            if row.state.sentences is not None and not row.prefill
+                            and row.step % row.state.params.refresh == 0])
+        spans = [row.state.sentences.spans if row.state.sentences is not None else RedundantSpans.empty()
+                 for row in rows]
+        most = max(s.starts.numel() for s in spans)
+        K = 0 if most == 0 else max(4, 1 << (most - 1).bit_length())
         R = len(rows)
         starts = torch.full((R, K), FAR, dtype=torch.int64)
         ends = torch.full((R, K), FAR, dtype=torch.int64)
@@ -116,7 +126,9 @@ class SkipKVPolicy(RKVBase):
                 "span_rank": to_device(rank, torch.int64, device)}
 
     def end_request(self, state: SkipKVState) -> None:
-        state.tracker = None
+        if state.sentences is not None and self.book is not None:
+            self.book.close(state.sentences)
+        state.sentences = None
 
     # ----- per layer (device) ---------------------------------------------------
     def _evict(self, batch, view, due):

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from kvsieve.policies import KVPolicyError, Observations, SlotView, get_policy, parse_kv_policy
 from kvsieve.policies.base import ModelInfo, StepRow
 from kvsieve.policies.skipkv_select import FAR, skipkv_evict
-from kvsieve.policies.skipkv_sentences import RedundantSpans, SentenceTracker, delimiter_table, redundant_sentences
+from kvsieve.policies.skipkv_book import MIN_RANGE, SentenceBook, delimiter_table
+from kvsieve.policies.skipkv_sentences import RedundantSpans, redundant_sentences
 
 from test_rkv import apply, batch_of, empty_view, store
 
@@ -56,25 +57,101 @@ def test_redundancy_looks_only_at_later_sentences():
     assert redundant_sentences(vectors[:0], tau=0.75)[0].numel() == 0
 
 
+def feed(book, rs, positions, ids, hidden):
+    """One decode step per token, then the step's flush (as the engine runs them)."""
+    for p, token, h in zip(positions, ids, hidden):
+        book.add(rs, torch.tensor([p]), torch.tensor([token]), torch.tensor([h], dtype=torch.float32))
+        book.flush()
+
+
 def test_sentences_from_tokens_and_hidden_states():
     # Delimiter id 5. Generated tokens at positions 10..16, ids
     # 1 2 5 | 3 5 | 4 4 (unfinished). Hidden states: S1 (2,0) (0,0) (1,0)
     # -> mean (1, 0); S2 (4,1) (2,-1) -> (3, 0): cosine 1 > 0.9, S1 redundant
     # with penalty 1; S2 is the last finished sentence.
-    tracker = SentenceTracker(delimiter_table({5, 9}, "cpu"), hidden=2, device="cpu", capacity=1)
-    ids = [1, 2, 5, 3, 5, 4, 4]
-    hidden = [(2, 0), (0, 0), (1, 0), (4, 1), (2, -1), (7, 7), (1, 1)]
-    for i, (token, h) in enumerate(zip(ids, hidden)):  # one decode step at a time, as the engine calls it
-        tracker.add(torch.tensor([10 + i]), torch.tensor([token]), torch.tensor([h], dtype=torch.float32))
-    assert int(tracker.count) == 2
-    assert tracker.vectors[:2].tolist() == [[1.0, 0.0], [3.0, 0.0]]
-    assert tracker.starts[:2].tolist() == [10, 13] and tracker.ends[:2].tolist() == [12, 14]
-    spans = tracker.redundant_spans(tau=0.9)
-    assert spans.starts.tolist() == [10] and spans.ends.tolist() == [12]
-    assert spans.penalty.tolist() == pytest.approx([1.0]) and spans.rank.tolist() == [0]
+    book = SentenceBook(delimiter_table({5, 9}, "cpu"), hidden=2, device="cpu")
+    rs = book.open(3)
+    feed(book, rs, range(10, 17), [1, 2, 5, 3, 5, 4, 4], [(2, 0), (0, 0), (1, 0), (4, 1), (2, -1), (7, 7), (1, 1)])
+    assert int(book.count[3]) == 2
+    lo = rs.base
+    assert book.vectors[lo:lo + 2].tolist() == [[1.0, 0.0], [3.0, 0.0]]
+    assert book.starts[lo:lo + 2].tolist() == [10, 13] and book.ends[lo:lo + 2].tolist() == [12, 14]
+    book.read([(rs, 0.9)])
+    assert rs.known == 2
+    assert rs.spans.starts.tolist() == [10] and rs.spans.ends.tolist() == [12]
+    assert rs.spans.penalty.tolist() == pytest.approx([1.0]) and rs.spans.rank.tolist() == [0]
     # A token id outside the delimiter table (>= 10) is no delimiter.
-    tracker.add(torch.tensor([17]), torch.tensor([400]), torch.tensor([[1.0, 1.0]]))
-    assert int(tracker.count) == 2
+    feed(book, rs, [17], [400], [(1, 1)])
+    assert int(book.count[3]) == 2
+
+
+def test_requests_fold_together_as_they_would_alone():
+    # Two requests' tokens queued in the same steps (and one of them twice
+    # in one step: two forwards before a flush) give each the sentences it
+    # gets alone.
+    ids = [[1, 5, 2, 2, 5, 5, 3], [5, 4, 4, 4, 5, 1, 5]]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 3, generator=gen)
+    alone = []
+    for r in range(2):
+        book = SentenceBook(delimiter_table({5}, "cpu"), hidden=3, device="cpu")
+        rs = book.open(0)
+        feed(book, rs, range(7), ids[r], hidden[r].tolist())
+        n = int(book.count[0])
+        alone.append((book.vectors[rs.base:rs.base + n], book.starts[rs.base:rs.base + n], book.ends[rs.base:rs.base + n]))
+    book = SentenceBook(delimiter_table({5}, "cpu"), hidden=3, device="cpu")
+    a, b = book.open(4), book.open(1)
+    for t in range(7):
+        book.add(a, torch.tensor([t]), torch.tensor([ids[0][t]]), hidden[0, t:t + 1])
+        if t % 2 == 0:  # b's tokens two at a time, as two forwards queued before one flush
+            for u in (t, t + 1):
+                if u < 7:
+                    book.add(b, torch.tensor([u]), torch.tensor([ids[1][u]]), hidden[1, u:u + 1])
+        book.flush()
+    for rs, row, (vectors, starts, ends) in ((a, 4, alone[0]), (b, 1, alone[1])):
+        n = int(book.count[row])
+        assert n == vectors.shape[0] > 0
+        assert torch.allclose(book.vectors[rs.base:rs.base + n], vectors)
+        assert torch.equal(book.starts[rs.base:rs.base + n], starts) and torch.equal(book.ends[rs.base:rs.base + n], ends)
+
+
+def test_queued_tokens_survive_the_engine_rewriting_its_tensors():
+    # The engine hands slices of one forward's tensors (positions, input ids,
+    # hidden states) and may write into them before the next step's flush.
+    book = SentenceBook(delimiter_table({5}, "cpu"), hidden=2, device="cpu")
+    a, b = book.open(0), book.open(1)
+    positions, ids = torch.tensor([7, 30]), torch.tensor([5, 5])
+    hidden = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    book.add(a, positions[0:1], ids[0:1], hidden[0:1])
+    book.add(b, positions[1:2], ids[1:2], hidden[1:2])
+    positions += 1
+    ids.fill_(0)
+    hidden.zero_()
+    book.flush()
+    assert book.count.tolist()[:2] == [1, 1]
+    assert book.ends[a.base].item() == 7 and book.ends[b.base].item() == 30
+    assert book.vectors[b.base].tolist() == [3.0, 4.0]
+
+
+def test_a_request_range_grows_past_its_first_size():
+    # Every token a delimiter: 3 * MIN_RANGE one-token sentences, read back
+    # only every 50 steps; the range grows before the queued tokens could
+    # overflow it, and a second request's range is never written.
+    book = SentenceBook(delimiter_table({5}, "cpu"), hidden=2, device="cpu")
+    rs, other = book.open(0), book.open(1)
+    feed(book, other, [0], [5], [(9.0, 9.0)])
+    n = 3 * MIN_RANGE
+    for t in range(n):
+        book.add(rs, torch.tensor([t]), torch.tensor([5]), torch.tensor([[float(t), 1.0]]))
+        book.flush()
+        if t % 50 == 0:
+            book.read([(rs, 0.99)])
+    assert int(book.count[0]) == n and rs.cap >= n
+    assert book.vectors[rs.base:rs.base + n, 0].tolist() == [float(t) for t in range(n)]
+    assert book.vectors[other.base].tolist() == [9.0, 9.0] and int(book.count[1]) == 1
+    base = other.base
+    book.close(other)
+    assert book.open(2).base == base  # a freed range is reused
 
 
 def test_span_ranks_most_similar_first_then_oldest():
@@ -179,8 +256,10 @@ def test_policy_drops_the_repeated_sentence_whole():
         policy.on_tokens(state, torch.tensor([step]), torch.tensor([token]), torch.tensor([h], dtype=torch.float32))
     assert drops == [set()] * 5 + [{4}, {5}, {6}, {0, 1, 2}, set()]
     assert set(view.position[0, 0][view.valid[0, 0]].tolist()) == {3, 7, 8, 9}
-    assert batch.inputs["span_starts"].tolist() == [[0]] and batch.inputs["span_ends"].tolist() == [[2]]
-    assert batch.inputs["span_penalty"][0].tolist() == pytest.approx([1.0])
+    # One redundant span, padded to 4 (a power of two: captured shapes change rarely).
+    assert batch.inputs["span_starts"].tolist() == [[0, FAR, FAR, FAR]]
+    assert batch.inputs["span_ends"].tolist() == [[2, FAR, FAR, FAR]]
+    assert batch.inputs["span_penalty"][0].tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])
 
 
 def test_policy_before_any_sentence_is_rkv():
@@ -205,10 +284,12 @@ def test_prompt_tokens_make_no_sentences():
     policy, _, state = bound_policy()
     policy.step_inputs([StepRow(state=state, step=0, pool_row=0, budget=5, prefill=True)], "cpu")
     policy.on_tokens(state, torch.arange(3), torch.tensor([1, 5, 5]), torch.ones(3, 2))
-    assert state.tracker is None
+    assert state.sentences is None
     policy.step_inputs([StepRow(state=state, step=0, pool_row=0, budget=5, prefill=False)], "cpu")
     policy.on_tokens(state, torch.tensor([3]), torch.tensor([5]), torch.ones(1, 2))
-    assert int(state.tracker.count) == 1
+    policy.step_inputs([StepRow(state=state, step=1, pool_row=0, budget=5, prefill=False)], "cpu")
+    assert int(policy.book.count[0]) == 1
+    policy.end_request(state)
 
 
 # ----- properties -------------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""The sentences of every skipkv request of a process, on the hidden states'
+device, updated for all requests at once.
+
+Per forward the engine hands each request's new tokens to on_tokens; the
+book only queues them (no device work per request) and `flush`, called once
+per step from step_inputs, folds the whole queue into the device state in a
+few batched ops: per request row (req_pool row) the current sentence's sum of
+hidden states, its length and first position, and the finished sentences'
+vectors and spans. Whether a token ends a sentence is looked up on the device
+(a table of delimiter ids), so nothing waits for the GPU.
+
+Finished sentences live in one store shared by all requests, each request
+owning a contiguous range of it (`_Ranges`, power-of-two sizes). The host
+knows how many sentences a request may have written (its count at the last
+read-back plus the tokens queued since), and grows a range before it could
+overflow: a read-back every `refresh` steps keeps ranges near the real count.
+
+`read` (every `refresh` steps per request, between steps) copies back the
+counts of the due requests in one transfer, and for those whose count
+changed, their redundant sets (computed on the device) in one more.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .skipkv_sentences import RedundantSpans, redundant_sentences
+
+#: Smallest range of the store a request owns (sentences).
+MIN_RANGE = 64
+
+
+class _Ranges:
+    """Power-of-two ranges of a growable store; freed ranges are reused."""
+
+    def __init__(self):
+        self.size = 0
+        self.free: dict[int, list[int]] = {}
+
+    def take(self, n: int) -> tuple[int, int]:
+        cap = max(MIN_RANGE, 1 << (n - 1).bit_length())
+        reuse = self.free.get(cap)
+        if reuse:
+            return reuse.pop(), cap
+        base, self.size = self.size, self.size + cap
+        return base, cap
+
+    def give(self, base: int, cap: int) -> None:
+        self.free.setdefault(cap, []).append(base)
+
+
+class RowSentences:
+    """Host view of one request in the book (kept in its RequestState)."""
+
+    def __init__(self, row: int):
+        self.row = row
+        self.base = -1
+        self.cap = 0
+        self.known = 0  # finished sentences at the last read-back
+        self.since = 0  # tokens queued since then (each could end a sentence)
+        self.spans = RedundantSpans.empty()
+        self.closed = False
+
+
+class SentenceBook:
+    def __init__(self, delimiters: torch.Tensor, hidden: int, device):
+        self.device = torch.device(device)
+        self.delimiters = delimiters  # [V] bool on device
+        self.hidden = hidden
+        f32, i64 = torch.float32, torch.int64
+        self.cur_sum = torch.zeros(0, hidden, dtype=f32, device=device)
+        self.cur_count = torch.zeros(0, dtype=f32, device=device)
+        self.cur_start = torch.zeros(0, dtype=i64, device=device)
+        self.count = torch.zeros(0, dtype=i64, device=device)
+        self.base = torch.zeros(0, dtype=i64, device=device)
+        self.vectors = torch.zeros(0, hidden, dtype=f32, device=device)
+        self.starts = torch.zeros(0, dtype=i64, device=device)
+        self.ends = torch.zeros(0, dtype=i64, device=device)
+        self.ranges = _Ranges()
+        self.queue: list[tuple[RowSentences, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._copies: dict = {}  # this forward's copied tensors (until the next flush)
+        self._opening: list[RowSentences] = []
+
+    # ----- host bookkeeping -------------------------------------------------------
+    def open(self, row: int) -> RowSentences:
+        """A request starts generating at req_pool row `row`."""
+        rs = RowSentences(row)
+        self._grow_rows(row + 1)
+        rs.base, rs.cap = self.ranges.take(MIN_RANGE)
+        self._grow_store(self.ranges.size)
+        self._opening.append(rs)
+        return rs
+
+    def close(self, rs: RowSentences) -> None:
+        rs.closed = True
+        if rs.base >= 0:
+            self.ranges.give(rs.base, rs.cap)
+            rs.base = -1
+
+    def add(self, rs: RowSentences, positions: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Queue a forward's generated tokens of one request. The tensors are
+        slices of the forward's; the engine may write into those after the
+        forward (positions, input ids), so each forward's tensor is copied
+        once, for all its requests, and the queue holds slices of the copy."""
+        rs.since += token_ids.shape[0]
+        self.queue.append((rs, self._snapshot(positions), self._snapshot(token_ids), self._snapshot(hidden)))
+
+    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base
+        if base is None or base.dim() != t.dim() or base.shape[1:] != t.shape[1:] or not base.is_contiguous():
+            return t.clone()  # not a row slice of a larger tensor: a copy of its own
+        key = (base.data_ptr(), tuple(base.shape), base.dtype)
+        held = self._copies.get(key)
+        if held is None:
+            held = self._copies[key] = (base, base.clone())  # the base is held so no other takes its memory
+        row_size = max(base.stride(0), 1)
+        start = (t.storage_offset() - base.storage_offset()) // row_size
+        return held[1][start:start + t.shape[0]]
+
+    def _grow_rows(self, n: int) -> None:
+        have = self.count.shape[0]
+        if n <= have:
+            return
+        new = max(n, 2 * have, 8)
+        pad = lambda t: torch.cat([t, t.new_zeros((new - have, *t.shape[1:]))])  # noqa: E731
+        self.cur_sum, self.cur_count, self.cur_start = pad(self.cur_sum), pad(self.cur_count), pad(self.cur_start)
+        self.count, self.base = pad(self.count), pad(self.base)
+
+    def _grow_store(self, n: int) -> None:
+        have = self.vectors.shape[0]
+        if n <= have:
+            return
+        new = max(n, 2 * have)
+        pad = lambda t: torch.cat([t, t.new_zeros((new - have, *t.shape[1:]))])  # noqa: E731
+        self.vectors, self.starts, self.ends = pad(self.vectors), pad(self.starts), pad(self.ends)
+
+    def _fit(self, rs: RowSentences) -> None:
+        """Grow the request's range when its queued tokens could overflow it."""
+        need = rs.known + rs.since
+        if need <= rs.cap:
+            return
+        base, cap = self.ranges.take(max(need, 2 * rs.cap))
+        self._grow_store(self.ranges.size)
+        for store in (self.vectors, self.starts, self.ends):  # the whole old range: the count is on the device
+            store[base:base + rs.cap] = store[rs.base:rs.base + rs.cap]
+        self.ranges.give(rs.base, rs.cap)
+        rs.base, rs.cap = base, cap
+        self.base[self._index([rs.row])] = self._index([base])
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        from .observations import to_device
+
+        return to_device(values, torch.int64, self.device)
+
+    # ----- device updates, once per step --------------------------------------------
+    def flush(self) -> None:
+        """Fold the queued tokens into the device state, all requests at once."""
+        if self._opening:
+            rows = self._index([rs.row for rs in self._opening])
+            for t in (self.cur_sum, self.cur_count, self.cur_start, self.count):
+                t[rows] = 0
+            self.base[rows] = self._index([rs.base for rs in self._opening])
+            self._opening = []
+        queue = [q for q in self.queue if not q[0].closed]
+        self.queue, self._copies = [], {}
+        for rs, *_ in queue:
+            self._fit(rs)
+        # Waves: the t-th token of each entry, rows unique within a wave (a
+        # request queued by two forwards goes in two waves, in order).
+        while queue:
+            wave, later, seen = [], [], set()
+            for entry in queue:
+                (later if entry[0].row in seen else wave).append(entry)
+                seen.add(entry[0].row)
+            self._fold(wave)
+            queue = later
+
+    def _fold(self, entries) -> None:
+        T = max(e[2].shape[0] for e in entries)
+        for t in range(T):  # tokens per request in one forward: 1 while decoding
+            part = [e for e in entries if e[2].shape[0] > t]
+            rows = self._index([e[0].row for e in part])
+            pos = torch.cat([e[1][t:t + 1] for e in part]).to(self.device).long()
+            ids = torch.cat([e[2][t:t + 1] for e in part]).to(self.device).long()
+            h = torch.cat([e[3][t:t + 1] for e in part]).to(self.device).float()
+            V = self.delimiters.shape[0]
+            ends = self.delimiters[ids.clamp(0, V - 1)] & (ids >= 0) & (ids < V)
+            count = self.cur_count[rows]
+            self.cur_start[rows] = torch.where(count == 0, pos, self.cur_start[rows])
+            total = self.cur_sum[rows] + h
+            count = count + 1
+            slot = self.base[rows] + self.count[rows]
+            e = ends.unsqueeze(-1)
+            self.vectors[slot] = torch.where(e, total / count.unsqueeze(-1), self.vectors[slot])
+            self.starts[slot] = torch.where(ends, self.cur_start[rows], self.starts[slot])
+            self.ends[slot] = torch.where(ends, pos, self.ends[slot])
+            self.count[rows] = self.count[rows] + ends.long()
+            self.cur_sum[rows] = torch.where(e, torch.zeros_like(total), total)
+            self.cur_count[rows] = torch.where(ends, torch.zeros_like(count), count)
+
+    # ----- host read-back, every `refresh` steps --------------------------------------
+    def read(self, due: list[tuple[RowSentences, float]]) -> None:
+        """Refresh the redundant spans of the due requests (with their tau)."""
+        due = [(rs, tau) for rs, tau in due if not rs.closed]
+        if not due:
+            return
+        counts = self.count[self._index([rs.row for rs, _ in due])].cpu().tolist()  # between steps: allowed
+        changed = [(rs, tau, n) for (rs, tau), n in zip(due, counts) if n != rs.known]
+        for (rs, _), n in zip(due, counts):
+            rs.known, rs.since = n, 0
+        if not changed:
+            return
+        parts = []
+        for rs, tau, n in changed:  # per request, but only every `refresh` steps and only on change
+            lo, hi = rs.base, rs.base + n
+            redundant, penalty = redundant_sentences(self.vectors[lo:hi], tau)
+            parts += [self.starts[lo:hi].double(), self.ends[lo:hi].double(), redundant.double(), penalty.double()]
+        flat = torch.cat(parts).cpu()  # one transfer for every changed request
+        at = 0
+        for rs, _, n in changed:
+            starts, ends, redundant, penalty = (flat[at + i * n:at + (i + 1) * n] for i in range(4))
+            at += 4 * n
+            rs.spans = RedundantSpans.of(starts.long(), ends.long(), redundant.bool(), penalty.float())
+
+
+def delimiter_table(ids, device) -> Optional[torch.Tensor]:
+    """[max id + 1] bool on device from ModelInfo.delimiter_ids (None: none)."""
+    ids = sorted(int(i) for i in ids)
+    if not ids:
+        return None
+    table = torch.zeros(ids[-1] + 1, dtype=torch.bool)
+    table[ids] = True
+    return table.to(device)
