@@ -8,9 +8,12 @@ skipkv's hidden states come from a few base directions plus noise, so later
 sentences repeat earlier ones (cosine > tau); delimiters come 1 token in 12.
 
 Reports the decision time per layer (CUDA events), on_tokens host time per
-step (all rows), step_inputs host time, peak memory; the decisions and
-on_tokens run under torch.cuda.set_sync_debug_mode("error"), so a host sync
-inside them raises; every 16 steps it checks that no head is over budget.
+step (all rows), the sentence book's fold (flush) and the rest of
+step_inputs (with the read-backs every `refresh` steps), peak memory; the
+decisions, on_tokens and the fold run under
+torch.cuda.set_sync_debug_mode("error"), so a host sync inside them raises;
+every 16 steps it checks that no head is over budget. Also: how far the
+16-bit key products of the redundancy are from float32.
 
   python bench/rkv_skipkv_decision.py --rows 64 256 --steps 200 --out bench/results/rkv-skipkv-decision.json
 """
@@ -29,7 +32,8 @@ from kvsieve.policies.base import ModelInfo, StepRow
 DELIMITER = 0
 
 
-def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hidden: int, seed: int = 0) -> dict:
+def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hidden: int, seed: int = 0,
+        profile: bool = False) -> dict:
     dev = "cuda"
     cls = get_policy(name)
     policy = cls()
@@ -51,10 +55,16 @@ def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hid
     budget_t = torch.full((rows, heads), budget, device=dev)
     bases = torch.randn(6, hidden, device=dev, generator=gen)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    decide, host_inputs, host_tokens, spans = [], [], [], []
+    decide, host_inputs, host_tokens, host_flush, spans, totals = [], [], [], [], [], {}
     torch.cuda.reset_peak_memory_stats()
     for t in range(steps):
         pos = budget + t
+        h0 = time.perf_counter()
+        if name == "skipkv" and policy.book is not None:  # step_inputs' fold, alone: it must not sync either
+            torch.cuda.set_sync_debug_mode("error")
+            policy.book.flush()
+            torch.cuda.set_sync_debug_mode(0)
+        host_flush.append(time.perf_counter() - h0)
         h0 = time.perf_counter()
         rows_in = [StepRow(state=s, step=t, pool_row=r, budget=budget, prefill=False, private_tokens=pos + 1)
                    for r, s in enumerate(states)]
@@ -79,6 +89,10 @@ def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hid
         hidden_states = (bases[base] + 0.2 * torch.randn(rows, hidden, device=dev, generator=gen)).to(torch.bfloat16)
         positions = torch.full((rows,), pos, device=dev)
         tokens = torch.full((rows,), DELIMITER if t % 12 == 11 else 7, device=dev)
+        prof = None
+        if profile and t >= steps - 10:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         torch.cuda.set_sync_debug_mode("error")
         start.record()
         evict = policy.select_decode(batch, view, Observations(attention=attention))
@@ -92,17 +106,45 @@ def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hid
         host_tokens.append(time.perf_counter() - h1)
         torch.cuda.set_sync_debug_mode(0)
         end.synchronize()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            for e in prof.key_averages():
+                totals[e.key] = totals.get(e.key, 0.0) + e.device_time_total / 1000
         decide.append(start.elapsed_time(end))
         if t % 16 == 0:
             assert int(view.valid.sum(-1).max()) <= budget, f"over budget at step {t}"
+    for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:12]:  # CUDA time of the last 10 steps
+        print(f"{ms:9.2f} ms  {key[:100]}")
     stats = lambda xs: {"mean_ms": sum(xs) / len(xs), "max_ms": max(xs)}  # noqa: E731
     warm = decide[5:]
     return {"policy": name, "rows": rows, "steps": steps, "budget": budget, "kv_heads": heads, "head_dim": dim,
             "decision_per_layer": stats(warm),
             "host_step_inputs": stats([1000 * x for x in host_inputs[5:]]),
             "host_on_tokens_all_rows": stats([1000 * x for x in host_tokens[5:]]),
+            "host_flush_all_rows": stats([1000 * x for x in host_flush[5:]]),
             "max_redundant_spans": max(spans, default=0),
             "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20}
+
+
+def redundancy_error(rows: int = 16, heads: int = 8, slots: int = 1040, dim: int = 128) -> dict:
+    """key_redundancy on bf16 keys (the GPU's 16-bit products) against the
+    same keys in float32, and how often the two disagree on a head's
+    least redundant half."""
+    from kvsieve.policies.rkv_scores import key_redundancy
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    keys = (torch.randn(rows, heads, slots, dim, device="cuda", generator=gen)
+            + torch.randn(rows, heads, 1, dim, device="cuda", generator=gen)).to(torch.bfloat16)
+    valid = torch.rand(rows, heads, slots, device="cuda", generator=gen) < 0.95
+    low = key_redundancy(keys, valid)
+    ref = key_redundancy(keys.float(), valid)
+    rel = ((low - ref).abs() / ref.clamp(min=1e-12))[valid]
+    half = slots // 2
+    pick = lambda r: r.masked_fill(~valid, 2.0).argsort(-1)[..., :half]  # noqa: E731
+    a = torch.zeros_like(valid).scatter_(-1, pick(low), True)
+    b = torch.zeros_like(valid).scatter_(-1, pick(ref), True)
+    return {"max_rel_error": float(rel.max()), "mean_rel_error": float(rel.mean()),
+            "half_disagreement": float((a ^ b).sum() / (2 * a.sum()))}
 
 
 def main() -> None:
@@ -115,11 +157,14 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--out")
+    p.add_argument("--profile", action="store_true", help="print the kernels of the last 10 steps by CUDA time")
     args = p.parse_args()
-    results = {"device": torch.cuda.get_device_name(), "runs": []}
+    results = {"device": torch.cuda.get_device_name(), "runs": [], "redundancy_16bit_vs_fp32": redundancy_error()}
+    print(json.dumps(results["redundancy_16bit_vs_fp32"]), flush=True)
     for name in args.policies:
         for rows in args.rows:
-            results["runs"].append(run(name, rows, args.steps, args.budget, args.heads, args.dim, args.hidden))
+            results["runs"].append(run(name, rows, args.steps, args.budget, args.heads, args.dim, args.hidden,
+                                       profile=args.profile))
             print(json.dumps(results["runs"][-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

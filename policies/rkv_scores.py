@@ -59,16 +59,37 @@ def start_window_mean(view: SlotView, attention_sum: torch.Tensor, queries: torc
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[R, H, S]: softmax over each head's valid slots of the key's mean cosine
     similarity to the head's other valid keys (the mean divides by the slots
-    held, as R-KV divides by the sequence length). Invalid slots get 0."""
-    unit = keys.float()
-    unit = unit / (unit.norm(dim=-1, keepdim=True) + _EPS) * valid.unsqueeze(-1)
-    total = unit.sum(dim=2, keepdim=True)  # [R, H, 1, D]
-    to_others = (unit * total).sum(-1) - (unit * unit).sum(-1)  # sum of cosines to the other keys
-    held = valid.sum(dim=-1, keepdim=True).clamp(min=1)
-    mean = to_others / held
-    mean = mean.masked_fill(~valid, float("-inf"))
-    out = torch.softmax(mean, dim=-1)
-    return torch.nan_to_num(out, nan=0.0)  # a head with no valid slot: 0, not NaN
+    held, as R-KV divides by the sequence length). Invalid slots get 0.
+
+    Two batched products, no [S, S] matrix: total = sum of the head's unit
+    keys, then each key's dot with it. 16-bit keys on a GPU stay 16-bit
+    (tensor cores, fp32 accumulation and outputs; the unit weights and the
+    total enter the products rounded to 16 bits, ~0.4% relative): a float32
+    copy of every key would triple the memory traffic."""
+    R, H, S, D = keys.shape
+    k = keys.reshape(R * H, S, D)
+    mask = valid.reshape(R * H, S)
+    if _sixteen_bit_on_gpu(k):
+        norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32)
+        weight = mask / (norm + _EPS)  # 1/|k| for valid keys, 0 otherwise
+        total = torch.bmm(weight.to(k.dtype).unsqueeze(1), k, out_dtype=torch.float32)  # [RH, 1, D]
+        dots = torch.bmm(k, total.to(k.dtype).transpose(1, 2), out_dtype=torch.float32).squeeze(-1)
+    else:
+        kf = k.float()
+        norm = kf.norm(dim=-1)
+        weight = mask / (norm + _EPS)
+        total = torch.bmm(weight.unsqueeze(1), kf)
+        dots = torch.bmm(kf, total.transpose(1, 2)).squeeze(-1)
+    self_sim = (norm * weight) ** 2  # a unit key's cosine with itself (0 for a zero key)
+    to_others = dots * weight - self_sim  # sum of cosines to the other keys
+    held = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    mean = (to_others / held).masked_fill(~mask, float("-inf"))
+    out = torch.nan_to_num(torch.softmax(mean, dim=-1), nan=0.0)  # a head with no valid slot: 0, not NaN
+    return out.view(R, H, S)
+
+
+def _sixteen_bit_on_gpu(k: torch.Tensor) -> bool:
+    return k.is_cuda and k.dtype in (torch.bfloat16, torch.float16)
 
 
 def rkv_scores(view: SlotView, importance: torch.Tensor, lambda_mix: torch.Tensor, kernel: torch.Tensor,
