@@ -160,7 +160,7 @@ class SentenceBook:
         if self._opening:
             rows = self._index([rs.row for rs in self._opening])
             for t in (self.cur_sum, self.cur_count, self.cur_start, self.count):
-                t[rows] = 0
+                t.index_fill_(0, rows, 0)  # (a scalar assigned through an index tensor would sync)
             self.base[rows] = self._index([rs.base for rs in self._opening])
             self._opening = []
         queue = [q for q in self.queue if not q[0].closed]
