@@ -112,14 +112,18 @@ class SkipKVPolicy(RKVBase):
         most = max(s.starts.numel() for s in spans)
         K = 0 if most == 0 else max(4, 1 << (most - 1).bit_length())
         R = len(rows)
-        starts = torch.full((R, K), FAR, dtype=torch.int64)
-        ends = torch.full((R, K), FAR, dtype=torch.int64)
-        penalty = torch.zeros((R, K), dtype=torch.float32)
-        rank = torch.arange(K, dtype=torch.int64).repeat(R, 1)  # pads rank after the real spans
-        for r, s in enumerate(spans):
-            n = s.starts.numel()
-            if n:
-                starts[r, :n], ends[r, :n], penalty[r, :n], rank[r, :n] = s.starts, s.ends, s.penalty, s.rank
+        starts, ends, penalty, rank = [], [], [], []
+        for s in spans:  # flat host lists, one tensor each: cheap for hundreds of rows
+            st, en, pe, ra = s.lists
+            pad = K - len(st)
+            starts += st + [FAR] * pad
+            ends += en + [FAR] * pad
+            penalty += pe + [0.0] * pad
+            rank += ra + list(range(len(st), K))  # pads rank after the real spans
+        starts = torch.tensor(starts, dtype=torch.int64).view(R, K)
+        ends = torch.tensor(ends, dtype=torch.int64).view(R, K)
+        penalty = torch.tensor(penalty, dtype=torch.float32).view(R, K)
+        rank = torch.tensor(rank, dtype=torch.int64).view(R, K)
         return {"span_starts": to_device(starts, torch.int64, device),
                 "span_ends": to_device(ends, torch.int64, device),
                 "span_penalty": to_device(penalty, torch.float32, device),

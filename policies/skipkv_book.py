@@ -79,7 +79,8 @@ class SentenceBook:
         self.starts = torch.zeros(0, dtype=i64, device=device)
         self.ends = torch.zeros(0, dtype=i64, device=device)
         self.ranges = _Ranges()
-        self.queue: list[tuple[RowSentences, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        #: (request, tokens, then (copy, first row) of its positions, ids, hidden states)
+        self.queue: list[tuple] = []
         self._copies: dict = {}  # this forward's copied tensors (until the next flush)
         self._opening: list[RowSentences] = []
 
@@ -104,20 +105,20 @@ class SentenceBook:
         slices of the forward's; the engine may write into those after the
         forward (positions, input ids), so each forward's tensor is copied
         once, for all its requests, and the queue holds slices of the copy."""
-        rs.since += token_ids.shape[0]
-        self.queue.append((rs, self._snapshot(positions), self._snapshot(token_ids), self._snapshot(hidden)))
+        T = token_ids.shape[0]
+        rs.since += T
+        self.queue.append((rs, T, self._snapshot(positions), self._snapshot(token_ids), self._snapshot(hidden)))
 
-    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
+    def _snapshot(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(a copy holding t's rows, the first of them)."""
         base = t._base
         if base is None or base.dim() != t.dim() or base.shape[1:] != t.shape[1:] or not base.is_contiguous():
-            return t.clone()  # not a row slice of a larger tensor: a copy of its own
+            return t.clone(), 0  # not a row slice of a larger tensor: a copy of its own
         key = (base.data_ptr(), tuple(base.shape), base.dtype)
         held = self._copies.get(key)
         if held is None:
             held = self._copies[key] = (base, base.clone())  # the base is held so no other takes its memory
-        row_size = max(base.stride(0), 1)
-        start = (t.storage_offset() - base.storage_offset()) // row_size
-        return held[1][start:start + t.shape[0]]
+        return held[1], (t.storage_offset() - base.storage_offset()) // max(base.stride(0), 1)
 
     def _grow_rows(self, n: int) -> None:
         have = self.count.shape[0]
@@ -178,13 +179,13 @@ class SentenceBook:
             queue = later
 
     def _fold(self, entries) -> None:
-        T = max(e[2].shape[0] for e in entries)
+        T = max(e[1] for e in entries)
         for t in range(T):  # tokens per request in one forward: 1 while decoding
-            part = [e for e in entries if e[2].shape[0] > t]
+            part = [e for e in entries if e[1] > t]
             rows = self._index([e[0].row for e in part])
-            pos = torch.cat([e[1][t:t + 1] for e in part]).to(self.device).long()
-            ids = torch.cat([e[2][t:t + 1] for e in part]).to(self.device).long()
-            h = torch.cat([e[3][t:t + 1] for e in part]).to(self.device).float()
+            pos = self._gather(part, 2, t).long()
+            ids = self._gather(part, 3, t).long()
+            h = self._gather(part, 4, t).float()
             V = self.delimiters.shape[0]
             ends = self.delimiters[ids.clamp(0, V - 1)] & (ids >= 0) & (ids < V)
             count = self.cur_count[rows]
@@ -199,6 +200,21 @@ class SentenceBook:
             self.count[rows] = self.count[rows] + ends.long()
             self.cur_sum[rows] = torch.where(e, torch.zeros_like(total), total)
             self.cur_count[rows] = torch.where(ends, torch.zeros_like(count), count)
+
+    def _gather(self, part, field: int, t: int) -> torch.Tensor:
+        """Row t of each entry's tensor `field`, in entry order: one
+        index_select per copied tensor (one per forward, as a rule)."""
+        if len(part) == 1:
+            copy, first = part[0][field]
+            return copy[first + t:first + t + 1].to(self.device)
+        pieces, run = [], []
+        for i, e in enumerate(part):
+            run.append(e[field][1] + t)
+            last = i + 1 == len(part) or part[i + 1][field][0] is not e[field][0]
+            if last:  # a run of entries sharing one copy
+                pieces.append(e[field][0].index_select(0, self._index(run).to(e[field][0].device)))
+                run = []
+        return torch.cat(pieces).to(self.device) if len(pieces) > 1 else pieces[0].to(self.device)
 
     # ----- host read-back, every `refresh` steps --------------------------------------
     def read(self, due: list[tuple[RowSentences, float]]) -> None:

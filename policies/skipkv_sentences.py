@@ -6,6 +6,7 @@ position spans for the per-layer eviction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -37,6 +38,11 @@ class RedundantSpans:
     ends: torch.Tensor  # [Kr] int64
     penalty: torch.Tensor  # [Kr] float32
     rank: torch.Tensor  # [Kr] int64
+
+    @cached_property
+    def lists(self) -> tuple[list, list, list, list]:
+        """The four as Python lists (made once; step_inputs pads them every step)."""
+        return self.starts.tolist(), self.ends.tolist(), self.penalty.tolist(), self.rank.tolist()
 
     @staticmethod
     def empty() -> "RedundantSpans":
