@@ -158,8 +158,8 @@ def sglang_case(R, Hq, Hkv, N):
     return run, (k, v)
 
 
-def timings(copy_gbs: float, quick: bool) -> list[dict]:
-    rows = []
+def timings(copy_gbs: float, quick: bool, rows: list, save) -> list[dict]:
+    """Appends one entry per case to `rows`, saving after each."""
     # (block, warps, stages): round 2 found block 32, 4 warps best everywhere (bench/results/gpu-kernels-round2.json)
     tunings = [(32, 4, 2), (32, 4, 3)]
     for model, (Hq, Hkv) in SHAPES.items():
@@ -170,6 +170,7 @@ def timings(copy_gbs: float, quick: bool) -> list[dict]:
                 if kv_bytes > MAX_KV_BYTES:
                     entry["skipped"] = f"K+V of one layer is {kv_bytes / 2**30:.0f} GiB (> {MAX_KV_BYTES >> 30} GiB)"
                     rows.append(entry)
+                    save()
                     continue
                 case = region_case(R, Hq, Hkv, N, seed=1)
                 vnorm = case["region_v"].float().abs().sum(-1)
@@ -219,6 +220,7 @@ def timings(copy_gbs: float, quick: bool) -> list[dict]:
                         entry["sglang_triton_error"] = repr(err)[:300]
                 torch.cuda.empty_cache()
                 rows.append(entry)
+                save()
                 print(json.dumps({k: v for k, v in entry.items() if k != "tuning_ms"}), flush=True)
     return rows
 
@@ -238,7 +240,8 @@ def main() -> None:
     print("copy bandwidth", results["copy_GBps"], "GB/s", flush=True)
     results["correctness"] = correctness()
     save()
-    results["timings"] = timings(results["copy_GBps"], quick)
+    results["timings"] = []
+    timings(results["copy_GBps"], quick, results["timings"], save)
     save()
 
 
