@@ -67,6 +67,7 @@ class RKVBase(Policy):
 @register_policy
 class RKVPolicy(RKVBase):
     name = "rkv"
+    graph_safe = True  # bench/results/graph-probe-rkv-skipkv.json: replay equals the eager pass
     description = "R-KV: attention of the recent queries minus key redundancy; keeps the recent window."
 
     def select_prefill(self, batch, view, obs):

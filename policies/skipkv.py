@@ -63,6 +63,7 @@ class SkipKVState(RequestState):
 @register_policy
 class SkipKVPolicy(RKVBase):
     name = "skipkv"
+    graph_safe = True  # bench/results/graph-probe-rkv-skipkv.json: replay equals the eager pass
     Params = SkipKVParams
     needs = Need.ATTENTION | Need.KEYS | Need.TOKEN_IDS | Need.HIDDEN_STATES
     description = "SkipKV: whole redundant sentences evicted first, then R-KV scores minus sentence redundancy."
