@@ -114,6 +114,32 @@ def test_running_window_mean_by_hand():
     assert view.last_hit[0, 0].tolist() == [1, 3, 4, 0]
 
 
+def test_prefill_cut_by_hand():
+    # A 6-token private prompt, positions 0-5, one head; the attention summed
+    # over the prompt's last min(window 2, 6) = 2 queries: 0.2 0.9 0.4 0.1
+    # 0.6 0.8 -> running means 0.1 0.45 0.2 0.05 0.3 0.4, each seen twice.
+    # lambda 1, kernel 1, budget 4: the newest 2 (4, 5) plus the best 2 of
+    # 0-3 by mean: 1 (0.45) and 2 (0.2).
+    policy, batch = batch_of("rkv", [{"lambda_mix": 1.0, "kernel": 1, "window": 2}], [4], H=1)
+    view = view_of([[0, 1, 2, 3, 4, 5]], [[[1.0, 0.0]] * 6])
+    evict = policy.select_prefill(batch, view, Observations(attention=torch.tensor([[[0.2, 0.9, 0.4, 0.1, 0.6, 0.8]]])))
+    assert set(view.position[0, 0][~evict[0, 0]].tolist()) == {1, 2, 4, 5}
+    assert view.score[0, 0].tolist() == pytest.approx([0.1, 0.45, 0.2, 0.05, 0.3, 0.4])
+    assert view.last_hit[0, 0].tolist() == [2] * 6
+
+
+def test_attention_of_a_query_group_is_averaged():
+    # 4 query heads per kv head: the engine's attention is the group's sum;
+    # R-KV's importance is the group mean (0.8 / 4 = 0.2).
+    from kvsieve.policies.base import ModelInfo
+
+    policy, batch = batch_of("rkv", [{}], [8], H=1)
+    policy.bind_model(ModelInfo(name="t", num_layers=1, num_kv_heads=2, num_q_heads=8, head_dim=2))
+    view = view_of([[0]], [[[1.0, 0.0]]])
+    policy.select_decode(batch, view, Observations(attention=torch.tensor([[[0.8]]])))
+    assert view.score[0, 0, 0].item() == pytest.approx(0.2)
+
+
 def test_buffer_delays_eviction_until_budget_plus_buffer():
     # budget 2, buffer 3: a head evicts only when it holds 5, back down to 2.
     policy, batch = batch_of("rkv", [{"buffer": 3, "window": 1}], [2], H=1)

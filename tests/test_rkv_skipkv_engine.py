@@ -26,10 +26,11 @@ def test_budget_above_the_length_equals_full(llama_server, policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_small_budget_holds_the_budget(llama_server, policy):
-    # Budget 8 (buffer 1): a head evicts whenever it holds 9, so it ends with
-    # 8 (skipkv may end below: it drops redundant sentences whole). Admission
+    # A 12-token prompt in the region is cut to the budget, 8, at its end
+    # (buffer 1): then a head evicts whenever it holds 9, so it ends with 8
+    # (skipkv may end below: it drops redundant sentences whole). Admission
     # reserved budget + 1 slots per head: one more would fail the request.
-    prompt = [110 + POLICIES.index(policy), 31, 32, 33, 34]
+    prompt = [110 + POLICIES.index(policy), 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
     out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True}, max_tokens=40)
     kv = out["kv_usage"]
     if policy == "rkv":
