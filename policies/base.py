@@ -22,15 +22,34 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from .observations import Need, Observations, PolicyBatch, SlotView, to_device
 
 
 class PolicyParams(BaseModel):
-    """Base of every policy's parameter model: unknown fields are errors."""
+    """Base of every policy's parameter model: unknown fields are errors and
+    types are strict (JSON `true` is not 1, "64" is not 64; an integer is
+    still a valid float)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_loose_numbers(cls, value, info):
+        # Pydantic's lax mode turns `true` into 1 and "64" into 64; strict
+        # mode would also refuse a JSON list for a tuple field. Refuse just
+        # booleans and strings given for numbers.
+        if cls.model_fields[info.field_name].annotation in (int, float) and isinstance(value, (bool, str)):
+            raise ValueError(f"must be a number, not {type(value).__name__}")
+        return value
+        for name, value in data.items():
+            info = cls.model_fields.get(name)
+            if info is None or info.annotation not in (int, float):
+                continue
+            if isinstance(value, (bool, str)):
+                raise ValueError(f"{name}: must be a number, not {type(value).__name__}")
+        return data
 
 
 class RequestState:
@@ -164,6 +183,19 @@ class Policy:
         and after every decode step: the whole private prompt is held until
         prefill ends, and a decode step stores its token before evicting."""
         return min(private_prompt + max_new_tokens, max(private_prompt, budget + 1))
+
+    @classmethod
+    def check_budget(cls, params: PolicyParams, budget: Optional[int],
+                     budget_ratio: Optional[float]) -> Optional[tuple[str, str]]:
+        """Cross-field check of a request's budget against its params:
+        None, or (field under kv_policy, message) for a 400."""
+        return None
+
+    @classmethod
+    def observation_window(cls, params: PolicyParams, private_prompt: int) -> int:
+        """Prompt queries (the last ones) whose attention the prefill
+        selection reads: the params' `window`, else 32."""
+        return getattr(params, "window", 32)
 
     @classmethod
     def tensor_params(cls) -> list[str]:

@@ -17,8 +17,13 @@ class H2OPolicy(Policy):
     description = "Heavy hitters by accumulated attention plus recent tokens."
     graph_safe = True
 
+    @classmethod
+    def observation_window(cls, params, private_prompt):
+        # H2O accumulates the attention of every prompt query, not a window.
+        return max(private_prompt, 1)
+
     def _evict(self, batch, view):
-        recent_n = batch.budget // 2  # [R, H]
+        recent_n = (batch.budget // 2).clamp(min=1)  # [R, H]; at least the newest token
         recent = view.valid & (rank_by_position(view, newest_first=True) < recent_n.unsqueeze(-1))
         heavy = keep_top_k(view.score, view.valid & ~recent, batch.budget - recent_n)
         return view.valid & ~(recent | heavy)

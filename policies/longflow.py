@@ -42,12 +42,21 @@ class LongFlowPolicy(Policy):
         keep = snapkv_keep(view, summed, window, kernel, snap.kernel, top_k)
         return view.valid & ~keep
 
+    @classmethod
+    def check_budget(cls, params, budget, budget_ratio):
+        if budget is not None and params.protect_recent >= budget:
+            return "params.protect_recent", (f"must be below the budget ({budget}): no slot would be left to "
+                                             "evict")
+        return None
+
     def select_decode(self, batch, view, obs):
         # Slots line up across heads (evictions are always layer-wide), so a
         # slot is one token of the layer; its score sums over all heads.
         held = view.valid[:, 0].sum(dim=-1)  # [R]
         over = held > batch.budget.amin(dim=1)
-        protect = batch.param("protect_recent").clamp(min=1).view(-1, 1)
+        # The newest token is always protected; never all held tokens (at
+        # least one candidate whenever the layer is over its budget).
+        protect = torch.minimum(batch.param("protect_recent").clamp(min=1), batch.budget.amin(dim=1)).view(-1, 1)
         protected = rank_by_position(view, newest_first=True)[:, 0] < protect  # [R, S]
         score = obs.pv_norm.sum(dim=1)  # [R, S]
         candidates = view.valid[:, 0] & ~protected

@@ -52,7 +52,9 @@ def snapkv_keep(view, attention, window: torch.Tensor, kernel: torch.Tensor, max
     each head plus its `top_k` ([R, H]) others of highest pooled attention.
     `attention` is the mass each slot received from the prompt's last queries."""
     recent = view.valid & (rank_by_position(view, newest_first=True) < window.view(-1, 1, 1))
-    pooled = pool_by_position(attention, view, kernel, max_kernel)
+    # Pool the scores outside the window only: the window is kept anyway, and
+    # its own scores must not spill onto the prompt tokens just before it.
+    pooled = pool_by_position(attention.masked_fill(recent, 0.0), view, kernel, max_kernel)
     return recent | keep_top_k(pooled, view.valid & ~recent, top_k)
 
 

@@ -27,13 +27,22 @@ class KVPolicyError(ValueError):
         self.message = message
 
 
-class KVPolicySpec(BaseModel):
-    """A validated policy choice: what reaches the engine in custom_params."""
+#: Floor of a budget given as budget_ratio (tokens per layer and kv head).
+MIN_RATIO_BUDGET = 16
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+#: Largest budget accepted (tokens per layer and kv head): far above any
+#: context length served today, and small enough that arithmetic on it is safe.
+MAX_BUDGET = 1 << 22
+
+
+class KVPolicySpec(BaseModel):
+    """A validated policy choice: what reaches the engine in custom_params.
+    Strict types: JSON `true` is not a budget and "64" is not 64."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str
-    budget: Optional[int] = Field(default=None, gt=0)
+    budget: Optional[int] = Field(default=None, gt=0, le=MAX_BUDGET)
     budget_ratio: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     params: dict[str, Any] = Field(default_factory=dict)
     #: Whether the private prompt goes to the compressed region (and is cut by
@@ -41,6 +50,8 @@ class KVPolicySpec(BaseModel):
     #: full and shared with later requests. None: the policy's default.
     compress_prompt: Optional[bool] = None
     #: The preset this spec came from, if any (reported back in kv_usage).
+    #: In a request, {"preset": NAME, ...} starts from that preset and the
+    #: other keys override it.
     preset: Optional[str] = None
 
     @property
@@ -70,6 +81,23 @@ def _format_pydantic_error(prefix: str, err: ValidationError) -> KVPolicyError:
     return KVPolicyError(field, first["msg"])
 
 
+def _from_preset(value: Mapping, presets: Mapping, field: str) -> tuple[dict, str]:
+    """{"preset": NAME, ...overrides}: the preset's object with the other
+    keys on top (params merged key by key)."""
+    name = value["preset"]
+    if not isinstance(name, str) or name not in presets:
+        known = ", ".join(sorted(presets)) or "none"
+        raise KVPolicyError(f"{field}.preset", f"unknown preset {name!r} (presets: {known})")
+    base = dict(presets[name])
+    overrides = {k: v for k, v in value.items() if k != "preset"}
+    if isinstance(base.get("params"), Mapping) and isinstance(overrides.get("params"), Mapping):
+        overrides["params"] = {**base["params"], **overrides["params"]}
+    if "budget" in overrides or "budget_ratio" in overrides:  # one replaces the other
+        base.pop("budget", None)
+        base.pop("budget_ratio", None)
+    return {**base, **overrides}, name
+
+
 def parse_kv_policy(
     value: Any,
     presets: Optional[Mapping[str, Mapping[str, Any]]] = None,
@@ -82,6 +110,9 @@ def parse_kv_policy(
     is refused rather than silently run as another one."""
     if value is None:
         return FULL
+    # presets None: an engine-side re-check of a spec the front end built, whose
+    # `preset` is only the label of where it came from.
+    resolve = presets is not None
     presets = presets or {}
     preset_name = None
     if isinstance(value, str):
@@ -92,6 +123,10 @@ def parse_kv_policy(
             value = {"name": value}
     if not isinstance(value, Mapping):
         raise KVPolicyError(field, "must be a policy or preset name, or an object {name, budget | budget_ratio, params}")
+    if "preset" in value and resolve:
+        value, preset_name = _from_preset(value, presets, field)
+    elif "preset" in value:
+        preset_name = value["preset"]
 
     name = value.get("name")
     if not isinstance(name, str):
@@ -123,6 +158,10 @@ def parse_kv_policy(
         params = policy.Params.model_validate(spec.params)
     except ValidationError as err:
         raise _format_pydantic_error(f"{field}.params", err) from None
+    problem = policy.check_budget(params, spec.budget, spec.budget_ratio)
+    if problem is not None:
+        which, message = problem
+        raise KVPolicyError(f"{field}.{which}", message)
     # Store the params with their defaults filled in, so the engine and the
     # reported usage see exactly what runs.
     return spec.model_copy(update={"params": params.model_dump()})

@@ -8,6 +8,7 @@ from pydantic import Field
 from .base import Policy, PolicyParams
 from .observations import rank_by_position
 from .registry import register_policy
+from .spec import MIN_RATIO_BUDGET
 
 
 class StreamingParams(PolicyParams):
@@ -21,9 +22,19 @@ class StreamingPolicy(Policy):
     description = "Attention sinks plus a sliding window of recent tokens."
     graph_safe = True
 
+    @classmethod
+    def check_budget(cls, params, budget, budget_ratio):
+        if budget is not None and budget <= params.sinks:
+            return "budget", f"must exceed params.sinks ({params.sinks}): the window of recent tokens would be empty"
+        if budget_ratio is not None and params.sinks >= MIN_RATIO_BUDGET:
+            return "params.sinks", (f"must be below {MIN_RATIO_BUDGET}, the floor of a budget_ratio budget, "
+                                    "or the window of recent tokens could be empty")
+        return None
+
     def _evict(self, batch, view):
         budget = batch.budget.unsqueeze(-1)  # [R, H, 1]
-        sinks = torch.minimum(batch.param("sinks").view(-1, 1, 1), budget)
+        # At least one recent slot: the newest token is never the one evicted.
+        sinks = torch.minimum(batch.param("sinks").view(-1, 1, 1), (budget - 1).clamp(min=0))
         keep = (rank_by_position(view, newest_first=False) < sinks) | \
                (rank_by_position(view, newest_first=True) < budget - sinks)
         return view.valid & ~keep

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 #: Budget of a compressing request that names none (tokens per layer and kv head).
 DEFAULT_BUDGET = 1024
 #: Floor of a budget given as budget_ratio.
-MIN_RATIO_BUDGET = 16
+from kvsieve.policies.spec import MIN_RATIO_BUDGET  # noqa: E402  (floor of a budget_ratio budget)
 #: Seconds between two refreshes of the region gauges and overflow checks.
 REFRESH_INTERVAL_S = 1.0
 

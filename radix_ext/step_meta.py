@@ -286,7 +286,7 @@ class StepBuilder:
                 ending.append(r)
             # The budget counts every private token of the prompt, the last chunk's too.
             budgets.append(req.budget_tokens(req.private_seen))
-            windows.append(getattr(req.params, "window", DEFAULT_OBSERVATION_WINDOW))
+            windows.append(type(req.policy).observation_window(req.params, req.prompt_len - req.prefix_len))
         self.pages.flush()
         dev = self.device
         rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests],
