@@ -27,6 +27,8 @@ class KVPolicyError(ValueError):
         self.message = message
 
 
+#: Budget of a compressing request that names none (tokens per layer and kv head).
+DEFAULT_BUDGET = 1024
 #: Floor of a budget given as budget_ratio (tokens per layer and kv head).
 MIN_RATIO_BUDGET = 16
 

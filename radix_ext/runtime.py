@@ -30,7 +30,7 @@ from .pages import PageManager, RegionConfig
 logger = logging.getLogger(__name__)
 
 #: Budget of a compressing request that names none (tokens per layer and kv head).
-DEFAULT_BUDGET = 1024
+from kvsieve.policies.spec import DEFAULT_BUDGET  # noqa: E402  (budget of a request that names none)
 #: Floor of a budget given as budget_ratio.
 from kvsieve.policies.spec import MIN_RATIO_BUDGET  # noqa: E402  (floor of a budget_ratio budget)
 #: Seconds between two refreshes of the region gauges and overflow checks.

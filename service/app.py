@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvsieve.policies import KVPolicyError, parse_kv_policy, policy_names
+from kvsieve.policies.catalog import catalog
 
 from .errors import APIError, bad_request, from_validation_error
 from .generation import Job, build_sampling_params, resolve_max_tokens, run_job
@@ -287,6 +288,10 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
             "id": server.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvsieve", "max_model_len": server.context_length,
         }]}
+
+    @app.get("/v1/kv_policies")
+    async def kv_policies():
+        return catalog(server.engine.served_policies, server.presets)
 
     @app.get("/health")
     async def health():

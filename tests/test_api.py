@@ -209,3 +209,20 @@ def test_client_disconnect_mid_stream_aborts_in_engine(llama_server):
     assert aborted == before + 1
     assert running == 0
     assert _metric(llama_server, "kvsieve_kv_tokens_in_use", policy="full") == 0
+
+
+def test_kv_policies_lists_every_served_policy_with_its_parameters(llama_server):
+    from kvsieve.policies import get_policy, policy_names
+
+    body = httpx.get(f"{llama_server.url}/v1/kv_policies").json()
+    by_name = {p["id"]: p for p in body["data"]}
+    assert set(by_name) == set(policy_names())
+    streaming = by_name["streaming"]
+    assert streaming["params"]["properties"]["sinks"] == {"default": 4, "minimum": 0, "title": "Sinks",
+                                                          "type": "integer"}
+    assert streaming["takes_budget"] and streaming["compress_prompt_default"] is False
+    assert streaming["description"] == get_policy("streaming").description
+    assert by_name["snapkv"]["compress_prompt_default"] is True
+    assert "budget" not in by_name["full"] and not by_name["full"]["compresses"]
+    assert all(p["description"] for p in body["data"])
+    assert body["presets"] == {"lossless": {"name": "full"}}
