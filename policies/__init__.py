@@ -2,6 +2,7 @@
 
 from . import full, h2o, longflow, snapkv, streaming, thinkv  # noqa: F401  (register the policies)
 from . import rkv, skipkv  # noqa: F401,E402  (register the policies)
+from . import crystal_kv  # noqa: F401,E402  (register the policy)
 from .base import Policy, PolicyParams, RequestState
 from .observations import Need, Observations, PolicyBatch, SlotView
 from .registry import POLICY_MODULES_ENV, get_policy, load_policy_modules, policy_names, register_policy

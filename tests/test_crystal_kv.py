@@ -1,0 +1,111 @@
+"""crystal_kv (Crystal-KV Lite): a hand-worked LRFU hit/miss sequence with
+its CRF values and evictions, the end-of-think stop, and properties
+(hypothesis) of the batched decision."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsieve.policies import KVPolicyError, Observations, parse_kv_policy
+from kvsieve.policies.crystal_kv import hits_of
+
+import pytest
+from test_policy_algorithms import H, S, apply, batch_of, empty_view, held_positions, store
+
+
+def attention_by_position(view, table: dict):
+    """Observation [1, H, S]: the attention of each held position."""
+    values = torch.zeros(1, H, S)
+    for pos, mass in table.items():
+        values[view.position == pos] = mass
+    return values
+
+
+def step(view, params, budget, t, table, inputs=None):
+    policy, batch = batch_of("crystal_kv", [params], [budget], step=t)
+    if inputs is not None:
+        batch.inputs = inputs
+    store(view, t)
+    apply(view, policy.select_decode(batch, view, Observations(attention=attention_by_position(view, table))))
+
+
+def crf_of(view, pos):
+    return view.score[0, 0][view.position[0, 0] == pos].item()
+
+
+def test_a_hand_worked_lrfu_sequence():
+    # lambda 0.5, top_p 0.5 (a step's hits: the slots ranked above 0.5 of
+    # the mass, the first always), budget 2. Worked by hand:
+    # t0: {0} 1.0 -> hit: CRF0 = 1, tau0 = 0.
+    # t1: 0: .2, 1: .8 -> hit 1: CRF1 = 1. Held {0, 1}.
+    # t2: 0: .6 -> hit 0: CRF0 = 1 * .5^2 + 1 = 1.25; over budget: rank
+    #     0: 1.25, 1: 1 * .5^1 = .5, 2 newest -> evict 1.
+    # t3: 2: .7 -> hit 2: CRF2 = 0 + 1 = 1; rank 0: 1.25 * .5 = .625 < 1 -> evict 0.
+    # t4: 4: .4, 3: .3, 2: .3 (slot order breaks the tie: 3 sits in slot 1,
+    #     2 in slot 2) -> hits 4 and 3 (.4 < .5 before 3); 2 decays to .5 ->
+    #     evict 2. CRF3 = 1, CRF4 = 1.
+    params = {"decay": 0.5, "top_p": 0.5, "think_end": ""}
+    view = empty_view(1)
+    trace = [{0: 1.0}, {0: 0.2, 1: 0.8}, {0: 0.6, 1: 0.1, 2: 0.3}, {0: 0.1, 2: 0.7, 3: 0.2},
+             {2: 0.3, 3: 0.3, 4: 0.4}]
+    held = []
+    for t, table in enumerate(trace):
+        step(view, params, budget=2, t=t, table=table)
+        held.append(held_positions(view, 0, 0))
+        if t == 2:
+            assert crf_of(view, 0) == pytest.approx(1.25)
+    assert held == [{0}, {0, 1}, {0, 2}, {2, 3}, {3, 4}]
+    assert crf_of(view, 3) == pytest.approx(1.0) and crf_of(view, 4) == pytest.approx(1.0)
+    assert view.last_hit[0, 0][view.position[0, 0] == 3].item() == 4
+
+
+def test_eviction_stops_after_the_end_of_think_marker():
+    params = {"decay": 0.5, "top_p": 0.9, "think_end": "", "answer_tokens": 3}
+    view = empty_view(1)
+    for t in range(8):
+        step(view, params, budget=2, t=t, table={t: 1.0}, inputs={"thinking": torch.tensor([t < 3])})
+    # Thinking until t2 (2 held), then 3 answer tokens of room, then the LRFU again.
+    assert len(held_positions(view, 0, 0)) <= 2 + 3 + 1
+    assert {3, 4, 5, 6, 7} >= held_positions(view, 0, 0) - {0, 1, 2}
+
+
+def test_top_p_hits_are_the_smallest_prefix_reaching_the_mass():
+    attention = torch.tensor([[[0.1, 0.5, 0.3, 0.1]]])
+    valid = torch.tensor([[[True, True, True, False]]])
+    # Normalized over valid slots: .111, .556, .333 -> .556 + .333 >= .8.
+    assert hits_of(attention, valid, torch.tensor([0.8])).tolist() == [[[False, True, True, False]]]
+
+
+def test_adaptive_budgets_are_refused_until_served():
+    with pytest.raises(KVPolicyError) as err:
+        parse_kv_policy({"name": "crystal_kv", "params": {"adaptive": True}})
+    assert err.value.field == "kv_policy.params.adaptive"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.floats(0.05, 0.95), st.floats(0.1, 1.0), st.integers(0, 2**16))
+def test_properties_budget_newest_determinism(budget, decay, top_p, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = {"decay": decay, "top_p": top_p, "think_end": ""}
+    views = [empty_view(1), empty_view(1)]
+    for t in range(12):
+        table = {p: float(torch.rand(1, generator=g)) for p in range(t + 1)}
+        for view in views:
+            step(view, params, budget=budget, t=t, table=table)
+            held = held_positions(view, 0, 0)
+            assert t in held and len(held) <= budget
+    assert torch.equal(views[0].valid, views[1].valid) and torch.equal(views[0].score, views[1].score)
+
+
+def test_served_end_to_end_equal_to_full_under_a_covering_budget_and_within_a_small_one(llama_server):
+    from test_compressed import complete
+
+    prompt = [41, 300, 12, 44, 150, 23, 9, 81]
+    covered = complete(llama_server, prompt, {"name": "crystal_kv", "budget": 256, "compress_prompt": True})
+    full = complete(llama_server, prompt, "full")
+    assert covered["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
+    assert covered["kv_usage"]["evicted_tokens"] == 0
+    small = complete(llama_server, [42, 31, 32, 33, 34], {"name": "crystal_kv", "budget": 8}, max_tokens=40)
+    kv = small["kv_usage"]
+    assert kv["retained_tokens"] == 5 + 8  # the prompt kept in the radix cache, 8 generated in the region
+    assert kv["evicted_tokens"] == 40 - 8 and kv["eviction_events"] > 0
