@@ -1,0 +1,121 @@
+"""Decision cost per policy per decode step (issue #9 item 9):
+
+    python bench/policy_cost.py OUT.json [--device cpu|cuda] [--batches 1,8,32] [--budget 32]
+
+Every registered compressing policy's `select_decode` on random slots and
+observations, for every layer of a step (medians of timed steps), as a
+share of a decode step of the same batch. Shapes: on CPU the embedded model
+(SmolLM2-135M: 30 layers, 3 kv heads, 9 query heads, head_dim 64; step
+times from bench/results/cpu-batched.json, `full` TPOT); on CUDA
+R1-Distill-Qwen-7B (28 layers, 4 kv heads, 28 query heads, head_dim 128;
+step time from bench/results/gpu-batched-graphs.json vanilla). Policies
+whose decision needs per-step inputs get them from their own step_inputs
+on fresh request states; one that cannot run this way is listed with why.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvsieve.policies import Need, Observations, PolicyBatch, SlotView, get_policy, policy_names
+from kvsieve.policies.base import ModelInfo, StepRow
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"cpu": dict(model="SmolLM2-135M-Instruct", layers=30, kv_heads=3, q_heads=9, head_dim=64),
+          "cuda": dict(model="R1-Distill-Qwen-7B", layers=28, kv_heads=4, q_heads=28, head_dim=128)}
+
+
+def step_ms(device: str, batch: int) -> float | None:
+    """A decode step of the same batch, measured end to end (see module doc)."""
+    if device == "cpu":
+        tpot = json.loads((ROOT / "bench/results/cpu-batched.json").read_text())["tpot_ms"]
+        return tpot.get(f"full/batch{batch}")
+    summary = json.loads((ROOT / "bench/results/gpu-batched-graphs.json").read_text())["summary"]
+    return 1000 * 64 / summary["vanilla"]["median_tokens_per_s"] if batch == 64 else None
+
+
+def inputs(cls, policy, rows: int, shape: dict, budget: int, device: str) -> tuple[PolicyBatch, SlotView, Observations]:
+    R, H, L, S = rows, shape["kv_heads"], shape["layers"], budget + 8
+    g = torch.Generator(device=device).manual_seed(0)
+    params = [cls.Params() for _ in range(R)]
+    tensors, maxima = cls.batch_params(params, device)
+    states = [policy.begin_request(p, L, H) for p in params]
+    step_rows = [StepRow(state=s, step=budget + 8, pool_row=i, budget=budget, prefill=False, private_tokens=S)
+                 for i, s in enumerate(states)]
+    batch = PolicyBatch(layer=0, budget=torch.full((R, H), budget, device=device),
+                        step=torch.full((R,), budget + 8, device=device), params=tensors, maxima=maxima,
+                        inputs=policy.step_inputs(step_rows, device), pool_rows=torch.arange(R, device=device),
+                        max_rows=R)
+    valid = torch.ones(R, H, S, dtype=torch.bool, device=device)
+    position = torch.arange(S, device=device).expand(R, H, S).contiguous()
+    view = SlotView(valid=valid, position=position, score=torch.rand(R, H, S, generator=g, device=device),
+                    last_hit=torch.zeros(R, H, S, dtype=torch.int32, device=device),
+                    keys=torch.randn(R, H, S, shape["head_dim"], generator=g, device=device)
+                    if cls.needs & Need.KEYS else None)
+    attention = torch.rand(R, H, S, generator=g, device=device)
+    obs = Observations(attention=attention / attention.sum(-1, keepdim=True), pv_norm=torch.rand(R, H, S, generator=g,
+                                                                                                 device=device),
+                       sparsity=torch.rand(R, shape["q_heads"], generator=g, device=device))
+    return batch, view, obs
+
+
+def time_policy(name: str, rows: int, shape: dict, budget: int, device: str, steps: int) -> float:
+    cls = get_policy(name)
+    policy = cls()
+    policy.bind_model(ModelInfo(name=shape["model"], num_layers=shape["layers"], num_kv_heads=shape["kv_heads"],
+                                num_q_heads=shape["q_heads"], head_dim=shape["head_dim"]))
+    batch, view, obs = inputs(cls, policy, rows, shape, budget, device)
+    times = []
+    for _ in range(steps):
+        fresh = SlotView(valid=view.valid.clone(), position=view.position, score=view.score.clone(),
+                         last_hit=view.last_hit.clone(), keys=view.keys)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for layer in range(shape["layers"]):
+            batch.layer = layer
+            policy.select_decode(batch, fresh, obs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def main() -> None:
+    out = sys.argv[1]
+    args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+    device = args.get("--device", "cpu")
+    batches = [int(b) for b in args.get("--batches", "1,8,32" if device == "cpu" else "64,256").split(",")]
+    budget = int(args.get("--budget", 32 if device == "cpu" else 1024))
+    shape = SHAPES[device]
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "machine": torch.cuda.get_device_name(0) if device == "cuda" else "x86_64, 2 cores (shared)",
+               "command": "python bench/policy_cost.py " + " ".join(sys.argv[1:]), "shape": shape, "budget": budget,
+               "step_time_source": __doc__.split("Shapes: ")[1].split(". Policies")[0], "policies": {}}
+    for name in policy_names():
+        cls = get_policy(name)
+        if not cls.compresses:
+            continue
+        entry = results["policies"][name] = {}
+        for rows in batches:
+            try:
+                ms = time_policy(name, rows, shape, budget, device, steps=5 if device == "cpu" else 20)
+            except Exception as err:  # recorded: the policy needs what this bench cannot give it
+                entry[f"batch{rows}"] = {"error": f"{type(err).__name__}: {err}"[:200]}
+                continue
+            base = step_ms(device, rows)
+            entry[f"batch{rows}"] = {"decision_ms_per_step": round(ms, 3),
+                                     "step_ms": round(base, 1) if base else None,
+                                     "share_of_step": round(ms / base, 4) if base else None}
+        print(name, json.dumps(entry), flush=True)
+        Path(out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
