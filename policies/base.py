@@ -19,6 +19,8 @@ the compressed region; a policy never touches SGLang objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import types
+import typing
 from typing import Callable, ClassVar, Optional
 
 import torch
@@ -36,20 +38,24 @@ class PolicyParams(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_loose_numbers(cls, value, info):
-        # Pydantic's lax mode turns `true` into 1 and "64" into 64; strict
-        # mode would also refuse a JSON list for a tuple field. Refuse just
-        # booleans and strings given for numbers.
-        if cls.model_fields[info.field_name].annotation in (int, float) and isinstance(value, (bool, str)):
+    def _no_loose_values(cls, value, info):
+        # Pydantic's lax mode turns `true` into 1, "64" into 64 and "yes" into
+        # True; full strict mode would also refuse a JSON list for a tuple
+        # field. Refuse just booleans/strings given for numbers and
+        # non-booleans given for booleans (Optional[...] fields included).
+        kinds = _scalar_kinds(cls.model_fields[info.field_name].annotation)
+        if kinds & {int, float} and bool not in kinds and isinstance(value, (bool, str)):
             raise ValueError(f"must be a number, not {type(value).__name__}")
+        if kinds == {bool} and not isinstance(value, bool):
+            raise ValueError(f"must be a boolean, not {type(value).__name__}")
         return value
-        for name, value in data.items():
-            info = cls.model_fields.get(name)
-            if info is None or info.annotation not in (int, float):
-                continue
-            if isinstance(value, (bool, str)):
-                raise ValueError(f"{name}: must be a number, not {type(value).__name__}")
-        return data
+
+
+def _scalar_kinds(annotation) -> set:
+    """{int, float, bool} members of a field's type, through Optional/Union."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    members = [a for a in args if a is not type(None)] or [annotation]
+    return {a for a in members if a in (int, float, bool)}
 
 
 class RequestState:

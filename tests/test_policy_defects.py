@@ -104,3 +104,22 @@ def test_a_preset_key_starts_from_the_preset_and_the_other_keys_override_it():
 def test_numbers_stay_numbers():
     assert parse_kv_policy({"name": "streaming", "budget": 64, "params": {"sinks": 0}}).budget == 64
     assert parse_kv_policy({"name": "h2o", "budget_ratio": 1}).budget_ratio == 1.0  # an integer is a float
+
+
+def test_params_strictness_lives_in_the_base_and_reaches_optional_and_boolean_fields():
+    # A later policy's Params inherits it: Optional numbers and booleans too.
+    from typing import Optional
+
+    from pydantic import ValidationError
+
+    from kvsieve.policies.base import PolicyParams
+
+    class Later(PolicyParams):
+        cap: Optional[int] = None
+        rate: float = 0.5
+        flag: bool = False
+
+    for bad in ({"cap": True}, {"cap": "8"}, {"rate": "0.5"}, {"flag": "yes"}, {"flag": 1}):
+        with pytest.raises(ValidationError):
+            Later.model_validate(bad)
+    assert Later.model_validate({"cap": 8, "rate": 1, "flag": True}) == Later(cap=8, rate=1.0, flag=True)
