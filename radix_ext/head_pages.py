@@ -1,0 +1,99 @@
+"""Per-head page targets of one request (Crystal-KV's adaptive budgets):
+pages move between any (layer, head) pairs of the request, its total stays.
+
+Two steps, both between forwards (never inside one):
+
+* `compact_request` packs every head's valid slots into its first slots
+  (slot order kept), so the pages past a head's kept tokens are empty and
+  can be given away. One gather/scatter over the request's real slots of
+  every per-slot array of the region; it runs on the device, in stream order
+  after the forward that evicted.
+* `retarget_pages` re-deals the request's real pages so (layer, head) owns
+  `targets[l, h]` of them: shrinking heads give their last pages, growing
+  heads append them. The device table is rewritten at the next flush;
+  tokens stay where they are (no clearing: the pages moved are empty).
+
+Kept out of pages.py (the manager's allocation and table) because only a
+policy with adaptive budgets needs it; it works on the manager's own
+records of a request's pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.policies.observations import to_device
+
+#: Per-slot arrays of the region a compaction must move with the slot.
+_SLOT_ARRAYS = ("k", "v", "valid", "position", "score", "last_hit", "vnorm", "prefill_attention")
+
+
+def _real_slots(pm, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slot ids [L, H, C*P] of a request's page grid and which are real."""
+    size = pm.config.page_size
+    offsets = torch.arange(size, dtype=torch.int64)
+    slots = (pages.unsqueeze(-1) * size + offsets).flatten(-2)
+    real = (pages != pm.null_page).unsqueeze(-1).expand(*pages.shape, size).flatten(-2)
+    return slots, real
+
+
+def compact_request(pm, rid: str) -> None:
+    """Move each head's valid slots to its first real slots, in slot order."""
+    pages = pm._owned[rid].pages
+    slots, real = _real_slots(pm, pages)
+    device = pm.valid.device
+    flat_slots = to_device(slots, torch.int64, device)
+    real_dev = to_device(real, torch.bool, device)
+    valid = pm.valid.view(-1)[flat_slots] & real_dev
+    # Sort key: valid real slots first, then empty real slots, then null ones;
+    # a stable sort keeps slot order, so the permutation maps real to real.
+    key = torch.where(valid, 0, torch.where(real_dev, 1, 2)).to(torch.int8)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    source = torch.gather(flat_slots, -1, order)[real_dev]
+    target = flat_slots[real_dev]
+    for name in _SLOT_ARRAYS:
+        array = getattr(pm, name)
+        flat = array.view(-1, *array.shape[2:])
+        flat[target] = flat[source].clone()
+
+
+def page_counts(pm, rid: str) -> torch.Tensor:
+    """Real pages per (layer, head) of a request [L, H] (host)."""
+    return (pm._owned[rid].pages != pm.null_page).sum(dim=-1)
+
+
+def retarget_pages(pm, rid: str, targets: torch.Tensor) -> None:
+    """Give (layer, head) `targets[l, h]` pages (host [L, H] ints summing to
+    the request's real pages). Call compact_request first: a shrinking head's
+    pages past its target must hold no token."""
+    owned = pm._owned[rid]
+    counts = page_counts(pm, rid)
+    targets = targets.to(torch.int64)
+    if int(targets.sum()) != int(counts.sum()) or bool((targets < 0).any()):
+        raise ValueError(f"page targets sum to {int(targets.sum())}, the request owns {int(counts.sum())}")
+    width = int(targets.max())
+    new = torch.full((*targets.shape, max(width, 1)), pm.null_page, dtype=torch.int64)
+    keep = torch.minimum(counts, targets)
+    columns = torch.arange(owned.pages.shape[-1])
+    kept_mask = columns < keep.unsqueeze(-1)
+    new_columns = torch.arange(new.shape[-1])
+    new[new_columns < keep.unsqueeze(-1)] = owned.pages[kept_mask]  # row-major: same order both sides
+    spare = owned.pages[(columns < counts.unsqueeze(-1)) & ~kept_mask]
+    needed = (new_columns >= keep.unsqueeze(-1)) & (new_columns < targets.unsqueeze(-1))
+    new[needed] = spare
+    owned.pages = new
+    if owned.row >= 0:
+        pm._pending.bind.append((owned.row, new, False))  # tokens stay where they are
+
+
+def pages_for_budgets(budgets: torch.Tensor, extra: int, page_size: int, total_pages: int) -> torch.Tensor:
+    """Page targets [L, H] covering budget + extra slots per head, dealing
+    the request's spare pages one by one in (layer, head) order so its total
+    stays. Budgets whose pages exceed the total are the caller's error."""
+    need = (budgets.to(torch.int64) + extra + page_size - 1) // page_size
+    spare = total_pages - int(need.sum())
+    if spare < 0:
+        raise ValueError(f"budgets need {int(need.sum())} pages, the request owns {total_pages}")
+    n = need.numel()
+    deal = spare // n + (torch.arange(n) < spare % n).to(torch.int64)
+    return need + deal.view_as(need)

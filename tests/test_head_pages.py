@@ -1,0 +1,82 @@
+"""Per-head page targets (radix_ext/head_pages.py) on a real PageManager:
+compaction packs each head's tokens, pages per head change, the request's
+total stays, tokens (K/V and slot state) survive the move."""
+
+import pytest
+import torch
+
+from kvsieve.radix_ext.head_pages import compact_request, page_counts, pages_for_budgets, retarget_pages
+from kvsieve.radix_ext.pages import PageManager, RegionConfig
+
+L, H, D, P = 2, 2, 4, 4
+
+
+def manager():
+    return PageManager(RegionConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_pages=32, page_size=P, max_rows=4))
+
+
+def write_token(m, page, offset, position):
+    m.valid[page, offset] = True
+    m.position[page, offset] = position
+    m.k[page, offset] = float(position)
+    m.v[page, offset] = -float(position)
+    m.score[page, offset] = position / 10
+
+
+def tokens_of(m, pages):
+    """(position, k, v, score) of each valid slot of one head, in slot order."""
+    out = []
+    for page in pages.tolist():
+        if page == m.null_page:
+            continue
+        for off in range(P):
+            if m.valid[page, off]:
+                out.append((int(m.position[page, off]), float(m.k[page, off, 0]), float(m.v[page, off, 0]),
+                            round(float(m.score[page, off]), 4)))
+    return out
+
+
+def test_compaction_then_pages_move_between_heads_and_layers_total_kept():
+    m = manager()
+    m.allocate("a", 2)  # 2 pages x 4 heads = 8 pages, 8 slots per head
+    m.bind("a", row=1)
+    m.flush()
+    pages = m._owned["a"].pages.clone()
+    # Layer 0 head 0 keeps tokens 3 (slot 1), 5 (slot 4), 7 (slot 6): spread over both pages.
+    for slot, pos in ((1, 3), (4, 5), (6, 7)):
+        write_token(m, pages[0, 0, slot // P], slot % P, pos)
+    # Layer 1 head 1 keeps 2 tokens in its second page.
+    for slot, pos in ((5, 9), (7, 11)):
+        write_token(m, pages[1, 1, slot // P], slot % P, pos)
+    before = tokens_of(m, pages[0, 0]), tokens_of(m, pages[1, 1])
+    compact_request(m, "a")
+    # Packed in slot order into the first slots: head (0, 0) slots 0-2, head (1, 1) slots 0-1.
+    assert [int(p) for p in m.position[pages[0, 0, 0]]] == [3, 5, 7, -1]
+    assert not m.valid[pages[0, 0, 1]].any() and not m.valid[pages[1, 1, 1]].any()
+    assert (tokens_of(m, pages[0, 0]), tokens_of(m, pages[1, 1])) == before
+    # Head (0, 0) and (1, 1) give a page each: (0, 1) gets 3, (1, 0) gets 3.
+    retarget_pages(m, "a", torch.tensor([[1, 3], [3, 1]]))
+    assert page_counts(m, "a").tolist() == [[1, 3], [3, 1]]
+    assert m.pages_of("a") == 8 and m.pages_used == 8
+    owned = m._owned["a"].pages
+    assert sorted(owned[owned != m.null_page].tolist()) == sorted(pages.flatten().tolist())  # same pages
+    m.flush()
+    assert torch.equal(m.table[1, :, :, :3], owned)
+    assert (tokens_of(m, m.table[1, 0, 0]), tokens_of(m, m.table[1, 1, 1])) == before
+    assert m.free("a") == 8 and m.pages_free == 32
+
+
+def test_page_targets_must_keep_the_total():
+    m = manager()
+    m.allocate("a", 2)
+    with pytest.raises(ValueError):
+        retarget_pages(m, "a", torch.tensor([[3, 3], [3, 1]]))
+
+
+def test_pages_for_budgets_cover_budget_plus_room_and_deal_the_spare():
+    # Budgets [[5, 1], [2, 12]] + 1 of room, pages of 4: ceil(6/4)=2, 1, 1, ceil(13/4)=4 -> 8;
+    # 10 pages owned: the 2 spare go to the first two heads.
+    targets = pages_for_budgets(torch.tensor([[5, 1], [2, 12]]), extra=1, page_size=4, total_pages=10)
+    assert targets.tolist() == [[3, 2], [1, 4]]
+    with pytest.raises(ValueError):
+        pages_for_budgets(torch.tensor([[5, 1], [2, 12]]), extra=1, page_size=4, total_pages=7)
