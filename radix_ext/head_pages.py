@@ -86,14 +86,25 @@ def retarget_pages(pm, rid: str, targets: torch.Tensor) -> None:
         pm._pending.bind.append((owned.row, new, False))  # tokens stay where they are
 
 
-def pages_for_budgets(budgets: torch.Tensor, extra: int, page_size: int, total_pages: int) -> torch.Tensor:
-    """Page targets [L, H] covering budget + extra slots per head, dealing
-    the request's spare pages one by one in (layer, head) order so its total
-    stays. Budgets whose pages exceed the total are the caller's error."""
-    need = (budgets.to(torch.int64) + extra + page_size - 1) // page_size
-    spare = total_pages - int(need.sum())
-    if spare < 0:
-        raise ValueError(f"budgets need {int(need.sum())} pages, the request owns {total_pages}")
+def fit_budgets_to_pages(budgets: torch.Tensor, extra: int, page_size: int,
+                         total_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page targets [L, H] for new per-head budgets, and the budgets capped to
+    them. Every head needs budget + `extra` slots (the overflow room the
+    policy's admission ceiling counts); the request's pages are dealt in
+    proportion to that need (first the pages of a budget of 1 to every head,
+    then largest remainder, so the total stays), and a head whose pages fall
+    short has its budget cut to what they hold. The capped budgets never sum
+    above the given ones."""
+    need = budgets.to(torch.float64) + extra
     n = need.numel()
-    deal = spare // n + (torch.arange(n) < spare % n).to(torch.int64)
-    return need + deal.view_as(need)
+    base = (1 + extra + page_size - 1) // page_size  # pages of a budget of 1
+    if total_pages < n * base:
+        raise ValueError(f"{total_pages} pages cannot give each of {n} heads {base}")
+    share = (total_pages - n * base) * need / need.sum()
+    whole = share.floor()
+    order = torch.sort((share - whole).flatten(), descending=True, stable=True).indices
+    bonus = torch.zeros(n, dtype=torch.float64)
+    bonus[order[:total_pages - n * base - int(whole.sum())]] = 1.0
+    pages = (whole + bonus.view_as(whole)).to(torch.int64) + base
+    capped = torch.minimum(budgets.to(torch.int64).clamp(min=1), pages * page_size - extra)
+    return pages, capped

@@ -5,7 +5,10 @@ total stays, tokens (K/V and slot state) survive the move."""
 import pytest
 import torch
 
-from kvsieve.radix_ext.head_pages import compact_request, page_counts, pages_for_budgets, retarget_pages
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsieve.radix_ext.head_pages import compact_request, fit_budgets_to_pages, page_counts, retarget_pages
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 
 L, H, D, P = 2, 2, 4, 4
@@ -73,10 +76,30 @@ def test_page_targets_must_keep_the_total():
         retarget_pages(m, "a", torch.tensor([[3, 3], [3, 1]]))
 
 
-def test_pages_for_budgets_cover_budget_plus_room_and_deal_the_spare():
-    # Budgets [[5, 1], [2, 12]] + 1 of room, pages of 4: ceil(6/4)=2, 1, 1, ceil(13/4)=4 -> 8;
-    # 10 pages owned: the 2 spare go to the first two heads.
-    targets = pages_for_budgets(torch.tensor([[5, 1], [2, 12]]), extra=1, page_size=4, total_pages=10)
-    assert targets.tolist() == [[3, 2], [1, 4]]
+def test_budgets_fit_to_pages_keep_the_total_and_cap_short_heads():
+    # Budgets [[5, 1], [2, 12]] (20) + 1 room each, 8 pages of 4 (32 slots).
+    # Need 6, 2, 3, 13 (24); a budget of 1 needs one page: one each, the other 4 by need:
+    # 4 * [6, 2, 3, 13] / 24 = 1, .333, .5, 2.167 -> floors 1, 0, 0, 2 (3),
+    # the last to the largest remainder (.5, head (1, 0)) -> pages 2, 1, 2, 3.
+    # Capped: min(5, 7), min(1, 3), min(2, 7), min(12, 11) = 5, 1, 2, 11.
+    pages, capped = fit_budgets_to_pages(torch.tensor([[5, 1], [2, 12]]), extra=1, page_size=4, total_pages=8)
+    assert pages.tolist() == [[2, 1], [2, 3]] and capped.tolist() == [[5, 1], [2, 11]]
     with pytest.raises(ValueError):
-        pages_for_budgets(torch.tensor([[5, 1], [2, 12]]), extra=1, page_size=4, total_pages=7)
+        fit_budgets_to_pages(torch.tensor([[5, 1], [2, 12]]), extra=1, page_size=4, total_pages=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 40), st.integers(0, 8), st.integers(1, 8),
+       st.integers(0, 2**16))
+def test_fitted_pages_keep_the_total_and_hold_each_capped_budget(layers, heads, budget, extra, size, seed):
+    # A uniform admission (ceil((budget + extra) / size) pages per head) then
+    # any re-dealt budgets of the same total: pages sum to what is owned, each
+    # head's pages hold its capped budget + extra, and budgets never grow.
+    g = torch.Generator().manual_seed(seed)
+    owned = layers * heads * -(-(budget + extra) // size)
+    weights = torch.rand(layers, heads, generator=g) + 0.01
+    new = 1 + (weights / weights.sum() * (budget - 1) * layers * heads).floor().to(torch.int64)  # >= 1 each
+    pages, capped = fit_budgets_to_pages(new, extra, size, owned)
+    assert int(pages.sum()) == owned and int(pages.min()) >= 1
+    assert bool((capped <= new).all()) and int(new.sum()) <= budget * layers * heads
+    assert bool((capped + extra <= pages * size).all()) and int(capped.min()) >= 1
