@@ -17,6 +17,8 @@ def test_schema_documents_the_request_bodies(guarded_server):
     fields = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "kv_policy", "max_tokens", "stream"} <= set(fields)
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    # Policy discovery is documented and behind the key like the other /v1 routes.
+    assert schema["paths"]["/v1/kv_policies"]["get"]["security"] == [{"bearer": []}]
 
 
 def test_no_server_errors(guarded_server, tmp_path):
@@ -33,5 +35,5 @@ def test_no_server_errors(guarded_server, tmp_path):
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
-    assert "Tested: 5" in out and "Server error" not in out, out[-3000:]
+    assert "Tested: 6" in out  # chat, completions, models, kv_policies, health, metrics and "Server error" not in out, out[-3000:]
     assert "Authentication failed" not in out, out[-3000:]
