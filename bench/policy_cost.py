@@ -1,6 +1,7 @@
 """Decision cost per policy per decode step (issue #9 item 9):
 
-    python bench/policy_cost.py OUT.json [--device cpu|cuda] [--batches 1,8,32] [--budget 32]
+    python bench/policy_cost.py OUT.json [--device cpu|cuda] [--batches 1,8,32 | --batch 256] [--budget 32]
+                                         [--step-ms 256=MS,...] [--threads N]
 
 Every registered compressing policy's `select_decode` on random slots and
 observations, for every layer of a step (medians of timed steps), as a
@@ -8,9 +9,11 @@ share of a decode step of the same batch. Shapes: on CPU the embedded model
 (SmolLM2-135M: 30 layers, 3 kv heads, 9 query heads, head_dim 64; step
 times from bench/results/cpu-batched.json, `full` TPOT); on CUDA
 R1-Distill-Qwen-7B (28 layers, 4 kv heads, 28 query heads, head_dim 128;
-step time from bench/results/gpu-batched-graphs.json vanilla). Policies
+step time from bench/results/gpu-batched-graphs.json vanilla at batch 64,
+a lower bound for larger batches, unless --step-ms gives one). Policies
 whose decision needs per-step inputs get them from their own step_inputs
-on fresh request states; one that cannot run this way is listed with why.
+on fresh request states, anything else from a FIXTURES hook; one that
+cannot run this way is listed with why.
 """
 
 from __future__ import annotations
@@ -30,13 +33,32 @@ SHAPES = {"cpu": dict(model="SmolLM2-135M-Instruct", layers=30, kv_heads=3, q_he
           "cuda": dict(model="R1-Distill-Qwen-7B", layers=28, kv_heads=4, q_heads=28, head_dim=128)}
 
 
-def step_ms(device: str, batch: int) -> float | None:
-    """A decode step of the same batch, measured end to end (see module doc)."""
+#: Per-policy fixture hooks: name -> fn(policy, batch, view, obs, shape) that
+#: fills in whatever else a policy's decision reads (beyond its own
+#: step_inputs, random observations and keys for Need.KEYS). A policy
+#: registered later adds its entry here if the defaults do not fit it.
+FIXTURES: dict = {}
+
+
+def fixture(name: str):
+    def add(fn):
+        FIXTURES[name] = fn
+        return fn
+    return add
+
+
+def step_ms(device: str, batch: int, given: dict[int, float]) -> tuple[float | None, str]:
+    """A decode step of the same batch and where its time came from (see module doc)."""
+    if batch in given:
+        return given[batch], "--step-ms"
     if device == "cpu":
         tpot = json.loads((ROOT / "bench/results/cpu-batched.json").read_text())["tpot_ms"]
-        return tpot.get(f"full/batch{batch}")
+        return tpot.get(f"full/batch{batch}"), "cpu-batched.json full TPOT"
     summary = json.loads((ROOT / "bench/results/gpu-batched-graphs.json").read_text())["summary"]
-    return 1000 * 64 / summary["vanilla"]["median_tokens_per_s"] if batch == 64 else None
+    ms = 1000 * 64 / summary["vanilla"]["median_tokens_per_s"]
+    # Only batch 64 was measured; a larger batch's step is no shorter (the
+    # weights are read once per step either way), so its share is an upper bound.
+    return ms, "gpu-batched-graphs.json vanilla batch 64" + ("" if batch == 64 else " (lower bound: share is an upper bound)")
 
 
 def inputs(cls, policy, rows: int, shape: dict, budget: int, device: str) -> tuple[PolicyBatch, SlotView, Observations]:
@@ -61,6 +83,8 @@ def inputs(cls, policy, rows: int, shape: dict, budget: int, device: str) -> tup
     obs = Observations(attention=attention / attention.sum(-1, keepdim=True), pv_norm=torch.rand(R, H, S, generator=g,
                                                                                                  device=device),
                        sparsity=torch.rand(R, shape["q_heads"], generator=g, device=device))
+    if cls.name in FIXTURES:
+        FIXTURES[cls.name](policy, batch, view, obs, shape)
     return batch, view, obs
 
 
@@ -91,12 +115,21 @@ def main() -> None:
     out = sys.argv[1]
     args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
     device = args.get("--device", "cpu")
-    batches = [int(b) for b in args.get("--batches", "1,8,32" if device == "cpu" else "64,256").split(",")]
+    batches = [int(b) for b in args.get("--batches", args.get("--batch", "1,8,32" if device == "cpu" else "64,256"))
+               .split(",")]
     budget = int(args.get("--budget", 32 if device == "cpu" else 1024))
+    # --step-ms 256=41.5,64=16.2: decode step times measured elsewhere (ms).
+    given = {int(b): float(ms) for b, ms in (kv.split("=") for kv in args["--step-ms"].split(","))} \
+        if "--step-ms" in args else {}
     shape = SHAPES[device]
+    # One intra-op thread by default on CPU: on 2 shared cores, two threads
+    # spin-waiting on each other made R-KV's tiny products 20x slower.
+    threads = int(args.get("--threads", 1 if device == "cpu" else torch.get_num_threads()))
+    torch.set_num_threads(threads)
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "machine": torch.cuda.get_device_name(0) if device == "cuda" else "x86_64, 2 cores (shared)",
                "command": "python bench/policy_cost.py " + " ".join(sys.argv[1:]), "shape": shape, "budget": budget,
+               "torch_threads": threads,
                "step_time_source": __doc__.split("Shapes: ")[1].split(". Policies")[0], "policies": {}}
     for name in policy_names():
         cls = get_policy(name)
@@ -109,9 +142,9 @@ def main() -> None:
             except Exception as err:  # recorded: the policy needs what this bench cannot give it
                 entry[f"batch{rows}"] = {"error": f"{type(err).__name__}: {err}"[:200]}
                 continue
-            base = step_ms(device, rows)
+            base, source = step_ms(device, rows, given)
             entry[f"batch{rows}"] = {"decision_ms_per_step": round(ms, 3),
-                                     "step_ms": round(base, 1) if base else None,
+                                     "step_ms": round(base, 1) if base else None, "step_ms_from": source,
                                      "share_of_step": round(ms / base, 4) if base else None}
         print(name, json.dumps(entry), flush=True)
         Path(out).write_text(json.dumps(results, indent=1))
