@@ -101,6 +101,8 @@ class OpenAIServer:
             return "full"
         if isinstance(value, str) and value in self.presets:
             value = self.presets[value].get("name")
+        if isinstance(value, dict) and "name" not in value and value.get("preset") in self.presets:
+            value = self.presets[value["preset"]]  # {"preset": NAME, ...overrides}
         if isinstance(value, dict):
             value = value.get("name")
         return value if isinstance(value, str) and value in policy_names() else "invalid"

@@ -123,3 +123,14 @@ def test_params_strictness_lives_in_the_base_and_reaches_optional_and_boolean_fi
         with pytest.raises(ValidationError):
             Later.model_validate(bad)
     assert Later.model_validate({"cap": 8, "rate": 1, "flag": True}) == Later(cap=8, rate=1.0, flag=True)
+
+
+def test_a_rejected_preset_object_is_counted_under_its_presets_policy():
+    from types import SimpleNamespace
+
+    from kvsieve.service.app import OpenAIServer
+
+    engine = SimpleNamespace(tokenizer=None, context_length=64)
+    server = OpenAIServer(engine, "m", {"fast": {"name": "h2o", "budget": 64}})
+    assert server.policy_label({"kv_policy": {"preset": "fast", "budget": True}}) == "h2o"
+    assert server.policy_label({"kv_policy": {"preset": "nope"}}) == "invalid"
