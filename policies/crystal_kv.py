@@ -14,17 +14,24 @@ eviction stops: the answer attends to what was retained (a head may then
 grow by `answer_tokens`, the room admission reserves for it, before the LRFU
 evicts again).
 
-Not served yet: the adaptive layer/head budgets of Algorithm 2 (moving
-pages between heads); `adaptive: true` is refused with a 400 naming the
-field, so every request runs Crystal-KV Lite.
+Adaptive budgets (Algorithm 2, `adaptive: true`; false = Crystal-KV Lite):
+select_decode writes each head's sum of decayed CRF over its kept slots to
+a device buffer (per req_pool row, layer, head); every `realloc_interval`
+decode steps while thinking, the engine (radix_ext/head_pages.py) asks
+`realloc_head_budgets`, which reads that row back (the only sync, between
+steps) and runs crystal_kv_budgets.reallocate_budgets; the engine caps the
+new budgets to the pages each head can be given, this step's decision
+evicts down to them, and the pages move between heads at the next step.
+A budget_ratio does not combine with it (the total must be fixed).
 """
 
 from __future__ import annotations
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from .base import Policy, PolicyParams, RequestState
+from .crystal_kv_budgets import reallocate_budgets
 from .observations import Need, keep_top_k, rank_by_position, to_device
 from .registry import register_policy
 
@@ -37,14 +44,9 @@ class CrystalKVParams(PolicyParams):
                            description="end-of-think marker: eviction stops after it ('' = never stops)")
     answer_tokens: int = Field(default=512, ge=0, le=1 << 20,
                                description="tokens a head may add after the marker before eviction resumes")
-    adaptive: bool = Field(default=False, description="adaptive layer/head budgets (Algorithm 2); not served yet")
-
-    @field_validator("adaptive")
-    @classmethod
-    def _lite_only(cls, adaptive: bool) -> bool:
-        if adaptive:
-            raise ValueError("adaptive layer/head budgets are not served yet; use false (Crystal-KV Lite)")
-        return adaptive
+    adaptive: bool = Field(default=False, description="adaptive layer/head budgets (Algorithm 2); false = Lite")
+    realloc_interval: int = Field(default=128, ge=1, le=1 << 20, description="decode steps between reallocations")
+    min_head_budget: int = Field(default=16, ge=1, le=1 << 20, description="floor of a head's adaptive budget")
 
 
 class CrystalKVState(RequestState):
@@ -53,6 +55,10 @@ class CrystalKVState(RequestState):
         self.marker = marker  # token ids of think_end
         self.recent: list[int] = []  # the last len(marker) generated ids
         self.thinking = True
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.head_budgets = None  # [L, H] int64 once adaptive budgets were set
+        self.pending_head_pages = None  # page targets the engine applies at the next step
+        self.realloc_now = False  # this step's decision must evict down to new budgets
 
 
 def hits_of(attention: torch.Tensor, valid: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -90,7 +96,46 @@ class CrystalKVPolicy(Policy):
             state.thinking = False
 
     def step_inputs(self, rows, device):
-        return {"thinking": to_device([row.state.thinking for row in rows], torch.bool, device)}
+        inputs = {"thinking": to_device([row.state.thinking for row in rows], torch.bool, device)}
+        if any(row.state.head_budgets is not None for row in rows):
+            L, H = rows[0].state.num_layers, rows[0].state.num_kv_heads
+            budgets = torch.stack([row.state.head_budgets if row.state.head_budgets is not None
+                                   else torch.full((L, H), row.budget, dtype=torch.int64) for row in rows])
+            inputs["budget"] = to_device(budgets, torch.int64, device)
+            inputs["realloc"] = to_device([row.state.realloc_now for row in rows], torch.bool, device)
+            for row in rows:
+                row.state.realloc_now = False
+        return inputs
+
+    @classmethod
+    def check_budget(cls, params, budget, budget_ratio):
+        if params.adaptive and budget_ratio is not None:
+            return "budget_ratio", "adaptive crystal_kv budgets need a fixed budget, not budget_ratio"
+        return None
+
+    # ----- adaptive budgets (called by radix_ext/head_pages.py between steps) ----
+    def realloc_head_budgets(self, state, step, pool_row, budget):
+        """New [L, H] budgets every realloc_interval decode steps while
+        thinking, or None."""
+        p = state.params
+        if not p.adaptive or not state.thinking or step <= 0 or step % p.realloc_interval:
+            return None
+        sums = getattr(self, "_crf_sums", None)
+        if sums is None:
+            return None
+        crf = sums[pool_row].cpu()  # the one read-back, between steps
+        current = state.head_budgets
+        if current is None:
+            current = torch.full((state.num_layers, state.num_kv_heads), budget, dtype=torch.int64)
+        return reallocate_budgets(crf, current, p.min_head_budget)
+
+    def head_room(self, params):
+        """Slots a head holds past its budget (the admission ceiling's room)."""
+        return params.evict_interval + (params.answer_tokens if params.think_end else 0)
+
+    def accept_head_budgets(self, state, budgets):
+        state.head_budgets = budgets
+        state.realloc_now = True
 
     def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
         # A head may overflow by evict_interval - 1 tokens before evicting,
@@ -123,9 +168,25 @@ class CrystalKVPolicy(Policy):
         held = view.valid.sum(dim=-1)  # [R, H]
         interval = batch.param("evict_interval").view(-1, 1)
         due = (batch.step.view(-1, 1) % interval == 0) | (held > batch.budget + interval - 1)
+        if "realloc" in batch.inputs:  # new budgets: evict down to them before the pages move
+            due = due | batch.inputs["realloc"].view(-1, 1)
         thinking = batch.inputs["thinking"].view(-1, 1) if "thinking" in batch.inputs else True
         # After the marker the head keeps what it has, up to answer_tokens more (the admission ceiling).
         answer_full = held > batch.budget + batch.param("answer_tokens").view(-1, 1)
         evicting = (held > batch.budget) & due & (thinking | answer_full)  # [R, H]
         keep = newest | keep_top_k(ranking, view.valid & ~newest, batch.budget - 1)
-        return view.valid & ~keep & evicting.unsqueeze(-1)
+        evict = view.valid & ~keep & evicting.unsqueeze(-1)
+        self._record_crf_sums(batch, view.valid.shape[1],
+                              torch.where(view.valid & ~evict, ranking, torch.zeros_like(ranking)).sum(dim=-1))
+        return evict
+
+    def _record_crf_sums(self, batch, heads, sums):
+        """Each head's decayed CRF over its kept slots, per req_pool row and
+        layer: what Algorithm 2 reads back (no sync: an indexed write)."""
+        if batch.pool_rows is None or self.model is None:
+            return
+        buffer = getattr(self, "_crf_sums", None)
+        if buffer is None or buffer.shape[0] < batch.max_rows or buffer.device != sums.device:
+            buffer = self._crf_sums = torch.zeros(max(batch.max_rows, 1), self.model.num_layers, heads,
+                                                  dtype=torch.float32, device=sums.device)
+        buffer[batch.pool_rows, batch.layer] = sums.float()

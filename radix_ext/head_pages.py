@@ -108,3 +108,37 @@ def fit_budgets_to_pages(budgets: torch.Tensor, extra: int, page_size: int,
     pages = (whole + bonus.view_as(whole)).to(torch.int64) + base
     capped = torch.minimum(budgets.to(torch.int64).clamp(min=1), pages * page_size - extra)
     return pages, capped
+
+
+def plan_head_pages(pm, req, step: int, pool_row: int, budget: int) -> None:
+    """Between steps, before the page table is flushed, for a policy with
+    per-head budgets (the optional hooks `realloc_head_budgets`,
+    `head_room`, `accept_head_budgets`):
+
+    1. page targets planned at the previous step are applied now, after that
+       step's forward evicted the shrinking heads down to their new budgets:
+       compaction, then the pages move;
+    2. the policy may ask for new budgets (rare: every realloc interval); the
+       pages are fitted to them here (budgets capped to what the pages hold)
+       and the targets wait for the next step, so this step's decision first
+       evicts down to the capped budgets.
+    """
+    realloc = getattr(req.policy, "realloc_head_budgets", None)
+    state = req.state
+    if realloc is None or state is None or not pm.owns(req.rid):
+        return
+    pending = getattr(state, "pending_head_pages", None)
+    if pending is not None:
+        compact_request(pm, req.rid)
+        retarget_pages(pm, req.rid, pending)
+        state.pending_head_pages = None
+    wanted = realloc(state, step, pool_row, budget)
+    if wanted is None:
+        return
+    try:
+        pages, capped = fit_budgets_to_pages(wanted, req.policy.head_room(req.params), pm.config.page_size,
+                                             pm.pages_of(req.rid))
+    except ValueError:
+        return  # too few pages to re-deal: the head budgets stay as they are
+    state.pending_head_pages = pages
+    req.policy.accept_head_budgets(state, capped)

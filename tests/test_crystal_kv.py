@@ -76,10 +76,39 @@ def test_top_p_hits_are_the_smallest_prefix_reaching_the_mass():
     assert hits_of(attention, valid, torch.tensor([0.8])).tolist() == [[[False, True, True, False]]]
 
 
-def test_adaptive_budgets_are_refused_until_served():
+def test_adaptive_budgets_refuse_a_budget_ratio():
     with pytest.raises(KVPolicyError) as err:
-        parse_kv_policy({"name": "crystal_kv", "params": {"adaptive": True}})
-    assert err.value.field == "kv_policy.params.adaptive"
+        parse_kv_policy({"name": "crystal_kv", "budget_ratio": 0.5, "params": {"adaptive": True}})
+    assert "budget_ratio" in err.value.field
+
+
+def test_adaptive_realloc_reads_the_crf_sums_and_feeds_per_head_budgets():
+    # Two layers, one kv head each (H=1 here), budget 8 per head, floor 1.
+    # CRF sums written for pool row 3: layer 0 -> 6, layer 1 -> 2 (the
+    # buffer select_decode fills). Algorithm 2: eta 6/8 = .75, 2/8 = .25 ->
+    # shares .75, .25 of 16 after floors of 1: 14 * .75 = 10.5, 3.5 -> 10 + 1,
+    # 3 + 1, one left to the tie's first (layer 0) -> [[12], [4]].
+    from kvsieve.policies.base import ModelInfo, StepRow
+    from kvsieve.policies.crystal_kv import CrystalKVPolicy
+
+    policy = CrystalKVPolicy()  # its own instance: the buffer and model stay out of other tests
+    policy.bind_model(ModelInfo(name="t", num_layers=2, num_kv_heads=1, num_q_heads=1, head_dim=4,
+                                delimiter_ids=frozenset(), encode=None))
+    spec = parse_kv_policy({"name": "crystal_kv", "budget": 8,
+                            "params": {"adaptive": True, "realloc_interval": 4, "min_head_budget": 1}})
+    state = policy.begin_request(CrystalKVPolicy.Params(**spec.params), 2, 1)
+    policy._crf_sums = torch.zeros(8, 2, 1)
+    policy._crf_sums[3, :, 0] = torch.tensor([6.0, 2.0])
+    assert policy.realloc_head_budgets(state, 3, 3, 8) is None  # not a realloc step
+    new = policy.realloc_head_budgets(state, 4, 3, 8)
+    assert new.tolist() == [[12], [4]]
+    policy.accept_head_budgets(state, new)
+    inputs = policy.step_inputs([StepRow(state=state, step=5, pool_row=3, budget=8, prefill=False,
+                                         private_tokens=20)], "cpu")
+    assert inputs["budget"].tolist() == [[[12], [4]]] and inputs["realloc"].tolist() == [True]
+    again = policy.step_inputs([StepRow(state=state, step=6, pool_row=3, budget=8, prefill=False,
+                                        private_tokens=21)], "cpu")
+    assert again["realloc"].tolist() == [False]
 
 
 @settings(max_examples=40, deadline=None)
