@@ -28,6 +28,7 @@ from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
 
+from .head_pages import plan_head_pages
 from .runtime import RUNTIME, CompressedRequest
 
 #: Prompt queries whose attention scores the prompt at prefill end when a
@@ -233,6 +234,7 @@ class StepBuilder:
             steps.append(seq_lens[i] - 1 - req.prompt_len)
             req.private_seen += 1  # this step's token, counted before the budget (budget_ratio)
             budgets.append(req.budget_tokens(req.private_seen))
+            plan_head_pages(self.pages, req, steps[-1], pool_rows[len(steps) - 1], budgets[-1])  # adaptive budgets
         self.pages.flush()
         rows = None
         if region:

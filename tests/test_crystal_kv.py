@@ -138,3 +138,18 @@ def test_served_end_to_end_equal_to_full_under_a_covering_budget_and_within_a_sm
     kv = small["kv_usage"]
     assert kv["retained_tokens"] == 5 + 8  # the prompt kept in the radix cache, 8 generated in the region
     assert kv["evicted_tokens"] == 40 - 8 and kv["eviction_events"] > 0
+
+
+def test_adaptive_budgets_served_end_to_end_within_the_request_total(llama_server):
+    # Budget 32 per head, reallocated every 8 steps over 64 generated tokens
+    # (7 reallocations, pages moved between heads a step after each): the
+    # request ends normally (a head short of a slot would abort it with an
+    # overflow error) and holds at most its total: 32 per head on average.
+    from test_compressed import complete
+
+    policy = {"name": "crystal_kv", "budget": 32,
+              "params": {"adaptive": True, "realloc_interval": 8, "min_head_budget": 4, "think_end": ""}}
+    out = complete(llama_server, [42, 31, 32, 33, 34], policy, max_tokens=64)
+    assert len(out["choices"][0]["token_ids"]) == 64 and out["choices"][0]["finish_reason"] == "length"
+    kv = out["kv_usage"]
+    assert kv["retained_tokens"] <= 5 + 32 and kv["evicted_tokens"] >= 64 - 32 - 1
