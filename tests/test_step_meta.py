@@ -106,6 +106,17 @@ def test_budget_ratio_counts_the_whole_prompt_in_every_layer(runtime):
     assert ext.observe.sum().item() == 32  # snapkv's window of the prompt's last queries
 
 
+def test_h2o_observes_every_query_of_its_private_prompt(runtime):
+    # H2O accumulates attention from every prompt query (issue #9 item 7):
+    # 100 private prompt tokens, all 100 queries observed, not the last 32.
+    admit("a", {"name": "h2o", "budget": 16, "compress_prompt": True}, prompt_len=100, row=2)
+    fb = SimpleNamespace(
+        rids=["a"], forward_mode=Mode(decode=False), extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[100],
+        req_pool_indices=torch.tensor([2]), seq_lens=torch.tensor([100]), seq_lens_cpu=torch.tensor([100]),
+        positions=torch.arange(100), out_cache_loc=torch.zeros(100, dtype=torch.int64))
+    assert runtime.build(fb).extend.observe.sum().item() == 100
+
+
 class _PerHeadBudgets(Policy):
     """A test policy whose step_inputs give each (layer, head) its own
     budget and echo the rows' steps and pool rows (registered only here)."""
