@@ -176,7 +176,7 @@ def branch_dissolve(trunks: list[list[int]], impact: torch.Tensor, trunk_m: list
     cut = max(0, sum(len(trunks[t]) for t in alive) - (budget - prot_size))
     ratio = [1.0] * len(trunks)
     crystal = list(crystal)
-    if cut > 0:
+    if cut > 0 and alive:  # nothing alive: protected trunks are all kept
         logs = {t: math.log1p(trunk_m[t]) for t in alive}
         lo, hi = min(logs.values()), max(logs.values())
         score = {t: max(crystal[t], ALPHA * (logs[t] - lo) / (hi - lo + EPS)) for t in alive}
@@ -201,3 +201,27 @@ def branch_dissolve(trunks: list[list[int]], impact: torch.Tensor, trunk_m: list
             kept.extend(order[:k])
             crystal[t] = r * crystal[t]
     return Dissolution(sorted(kept), ratio, crystal, protected)
+
+
+@dataclass
+class PrefillResult:
+    """What the decode phase starts from: kept positions and the trunk table."""
+
+    dissolution: Dissolution
+    trunks: list[list[int]]
+    impact: torch.Tensor  # M_i per prompt position
+    trunk_m: list[float]
+    graph: dict[tuple[int, int], float]
+
+
+def prefill_keep(attn: torch.Tensor, token_ids: list[int], delimiters: frozenset[int], budget: int,
+                 chunk: int = CHUNK) -> PrefillResult:
+    """S1-S6 end to end on one private prompt."""
+    n = len(token_ids)
+    saliency, edges = saliency_and_edges(attn, chunk)
+    impact = encoding_impact(saliency, token_ids)
+    trunks = build_trunks(sentences(token_ids, delimiters), edges)
+    trunk_m = [trunk_impact(impact, g) for g in trunks]
+    graph = trunk_graph(trunks, edges)
+    crystal = crystallization(len(trunks), graph)
+    return PrefillResult(branch_dissolve(trunks, impact, trunk_m, crystal, budget, n), trunks, impact, trunk_m, graph)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsieve.policies.crystalcache_prefill import (
-    branch_dissolve, build_trunks, crystallization, encoding_impact, prefill_budget,
+    branch_dissolve, build_trunks, crystallization, encoding_impact, prefill_budget, prefill_keep,
     saliency_and_edges, sentences, trunk_graph, trunk_impact)
 
 
@@ -160,3 +160,41 @@ def test_dissolution_properties(case):
     assert len(out.kept) >= min(budget, n) - 2
     again = branch_dissolve(trunks, impact, mbar, d, budget, n, n_sink=n_sink, w_recent=w_recent)
     assert again == out  # deterministic
+
+
+def test_prefill_end_to_end_keeps_sink_recent_and_the_rare_trunk():
+    # 300 tokens, one head of uniform causal attention (row q = 1/(q+1) on
+    # 0..q): cos of rows i < j is sqrt((i+1)/(j+1)), high for neighbours, so
+    # each sentence merges with the next (CAS > .3) while the trunk stays
+    # <= 32: sentences of 10 -> trunks of 30. Positions 40..48 carry unique
+    # ids (rarity .59 vs ~.15) -> trunk 1 has M~ = 1, the top score.
+    # beta .8 -> B = 240. Protected: trunk 0 (sink) and trunks touching
+    # [172, 300): 150..299 -> 30 + 150 = 180; room 60 of the 120 alive
+    # tokens -> the two lowest-score trunks among 2, 3, 4 go whole.
+    n = 300
+    attn = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1).unsqueeze(1)
+    ids = [1] * n
+    for s in range(30):
+        ids[s * 10 + 9] = 0
+    for p in range(40, 49):
+        ids[p] = 100 + p
+    out = prefill_keep(attn.unsqueeze(0), ids, frozenset({0}), prefill_budget(n, 0.8))
+    assert out.trunks == [list(range(30 * k, 30 * k + 30)) for k in range(10)]
+    kept = set(out.dissolution.kept)
+    assert len(kept) == 240
+    assert set(range(60)) | set(range(150, 300)) <= kept
+    assert sum(1 for k in (2, 3, 4) if 30 * k in kept) == 1
+
+
+def test_prefill_protected_trunks_can_exceed_the_budget():
+    # Same text, 140 tokens: trunks of 30 and the recent window [12, 140)
+    # touches every trunk -> all 140 protected although B = 132 (the paper's
+    # floor covers 4 + 128 tokens, not the trunks around them: the ceiling
+    # the engine reserves must allow up to 2 * (32 - 1) more).
+    n = 140
+    attn = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1).unsqueeze(1)
+    ids = [1] * n
+    for s in range(14):
+        ids[s * 10 + 9] = 0
+    out = prefill_keep(attn.unsqueeze(0), ids, frozenset({0}), prefill_budget(n, 0.5))
+    assert out.dissolution.kept == list(range(n))
