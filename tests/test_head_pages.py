@@ -103,3 +103,42 @@ def test_fitted_pages_keep_the_total_and_hold_each_capped_budget(layers, heads, 
     assert int(pages.sum()) == owned and int(pages.min()) >= 1
     assert bool((capped <= new).all()) and int(new.sum()) <= budget * layers * heads
     assert bool((capped + extra <= pages * size).all()) and int(capped.min()) >= 1
+
+
+def test_crystal_kv_realloc_moves_pages_a_step_later_through_plan_head_pages():
+    # The engine's hook with the real policy and a real PageManager: budget 6
+    # per head (+1 room: 2 pages of 4 each, 8 pages), CRF sums making layer 0
+    # head 0 the busiest. Step 4 (realloc_interval 4): Algorithm 2 with floor 1
+    # gives weights [[6, 1], [1, 0]]/8 of 24 - 4 floors = 15, 2.5, 2.5, 0 ->
+    # 15, 2, 2, 0, the one left to the .5 tie's first -> +1 each = [[16, 4], [3, 1]]; pages dealt by
+    # need (+1 room) over 8 - 4 base pages: 4 * [17, 5, 4, 2] / 28 = 2.43, .71,
+    # .57, .29 -> 2, 0, 0, 0, the 2 left to .71 and .57 -> [[3, 2], [2, 1]];
+    # capped budgets min(16, 11), min(4, 7), min(3, 7), min(1, 3) = 11, 4, 3, 1.
+    from types import SimpleNamespace
+
+    from kvsieve.policies import parse_kv_policy
+    from kvsieve.policies.base import ModelInfo
+    from kvsieve.policies.crystal_kv import CrystalKVPolicy
+    from kvsieve.radix_ext.head_pages import plan_head_pages
+
+    m = manager()
+    policy = CrystalKVPolicy()
+    policy.bind_model(ModelInfo(name="t", num_layers=L, num_kv_heads=H, num_q_heads=H, head_dim=D))
+    spec = parse_kv_policy({"name": "crystal_kv", "budget": 6, "params": {
+        "adaptive": True, "realloc_interval": 4, "min_head_budget": 1, "think_end": ""}})
+    params = CrystalKVPolicy.Params(**spec.params)
+    req = SimpleNamespace(rid="a", policy=policy, params=params, state=policy.begin_request(params, L, H))
+    m.allocate("a", 2)
+    m.bind("a", row=2)
+    m.flush()
+    policy._crf_sums = torch.zeros(4, L, H)
+    policy._crf_sums[2] = torch.tensor([[6.0, 1.0], [1.0, 0.0]])
+    plan_head_pages(m, req, step=3, pool_row=2, budget=6)
+    assert req.state.head_budgets is None and page_counts(m, "a").tolist() == [[2, 2], [2, 2]]
+    plan_head_pages(m, req, step=4, pool_row=2, budget=6)
+    assert req.state.head_budgets.tolist() == [[11, 4], [3, 1]] and req.state.realloc_now
+    assert page_counts(m, "a").tolist() == [[2, 2], [2, 2]]  # pages wait for this step's eviction
+    plan_head_pages(m, req, step=5, pool_row=2, budget=6)
+    assert page_counts(m, "a").tolist() == [[3, 2], [2, 1]] and m.pages_of("a") == 8
+    m.flush()
+    assert torch.equal((m.table[2] != m.null_page).sum(-1), torch.tensor([[3, 2], [2, 1]]))
