@@ -134,3 +134,20 @@ def test_a_rejected_preset_object_is_counted_under_its_presets_policy():
     server = OpenAIServer(engine, "m", {"fast": {"name": "h2o", "budget": 64}})
     assert server.policy_label({"kv_policy": {"preset": "fast", "budget": True}}) == "h2o"
     assert server.policy_label({"kv_policy": {"preset": "nope"}}) == "invalid"
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(["streaming", "h2o", "longflow"]), budget=st.integers(1, 6),
+       knob=st.integers(0, 8), steps=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_the_newest_token_survives_every_decode_step_and_the_budget_holds(name, budget, knob, steps, seed):
+    # Any budget, any sinks / protect_recent (even the ones the parser now
+    # refuses), any observations: the token just stored is never evicted, and
+    # a head never holds more than the budget after its step.
+    params = {"streaming": {"sinks": knob}, "h2o": {}, "longflow": {"protect_recent": knob}}[name]
+    table = torch.rand(1, H, 48, generator=torch.Generator().manual_seed(seed))
+    obs = lambda view, t: Observations(attention=per_slot(view, table), pv_norm=per_slot(view, table))  # noqa
+    held = run_decode(name, params, budget, steps, obs)
+    assert all(t in h and len(h) <= budget for t, h in enumerate(held))
