@@ -153,3 +153,26 @@ def test_adaptive_budgets_served_end_to_end_within_the_request_total(llama_serve
     assert len(out["choices"][0]["token_ids"]) == 64 and out["choices"][0]["finish_reason"] == "length"
     kv = out["kv_usage"]
     assert kv["retained_tokens"] <= 5 + 32 and kv["evicted_tokens"] >= 64 - 32 - 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=H, max_size=H), st.integers(2, 4), st.integers(0, 2**16))
+def test_per_head_budgets_hold_after_a_realloc_step_with_any_interval(head_budgets, interval, seed):
+    # Adaptive budgets differ per head; at a realloc step (inputs["realloc"])
+    # every head evicts down to its own budget even off its evict_interval,
+    # and never the newest token.
+    g = torch.Generator().manual_seed(seed)
+    params = {"decay": 0.6, "top_p": 0.9, "think_end": "", "evict_interval": interval}
+    view = empty_view(1)
+    budget = torch.tensor([head_budgets])
+    for t in range(10):
+        policy, batch = batch_of("crystal_kv", [params], [1], step=t)
+        batch.budget = budget
+        realloc = t in (5, 9)
+        batch.inputs = {"thinking": torch.tensor([True]), "realloc": torch.tensor([realloc])}
+        store(view, t)
+        obs = Observations(attention=torch.rand(1, H, S, generator=g) * view.valid)
+        apply(view, policy.select_decode(batch, view, obs))
+        for h in range(H):
+            held = held_positions(view, 0, h)
+            assert t in held and len(held) <= head_budgets[h] + (0 if realloc else interval - 1)
