@@ -81,7 +81,8 @@ class CrystalKVPolicy(Policy):
     needs = Need.ATTENTION | Need.TOKEN_IDS
     keeps_slot_state = True
     graph_safe = False  # not yet checked on a GPU (bench/graph_probe.py)
-    description = "Attention-based LRFU per (layer, kv head) during thinking; stops at the end-of-think marker."
+    description = ("Attention-based LRFU per (layer, kv head) during thinking; stops at the end-of-think marker; "
+                   "adaptive: per-head budgets from the heads' CRF (Algorithm 2), pages moved between heads.")
 
     def begin_request(self, params, num_layers, num_kv_heads):
         encode = self.model.encode if self.model is not None else None
