@@ -54,6 +54,7 @@ class CrystalKVState(RequestState):
         super().__init__(params, num_layers, num_kv_heads)
         self.marker = marker  # token ids of think_end
         self.recent: list[int] = []  # the last len(marker) generated ids
+        self.pending: list = []  # device tails of this step's tokens, read in step_inputs
         self.thinking = True
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.head_budgets = None  # [L, H] int64 once adaptive budgets were set
@@ -90,13 +91,25 @@ class CrystalKVPolicy(Policy):
         return CrystalKVState(params, num_layers, num_kv_heads, marker)
 
     def on_tokens(self, state, positions, token_ids, hidden_states):
-        if not state.marker or not state.thinking:
+        # Inside the forward (the logits hook): keep a device copy of the tail
+        # only; it is read on the host in step_inputs, between steps.
+        if state.marker and state.thinking:
+            state.pending.append(token_ids[-len(state.marker):].clone())
+
+    @staticmethod
+    def _watch_marker(state) -> None:
+        """Fold the tokens seen since the last step into the marker check."""
+        if not state.pending:
             return
-        state.recent = (state.recent + token_ids.tolist())[-len(state.marker):]
+        ids = torch.cat(state.pending).tolist()
+        state.pending.clear()
+        state.recent = (state.recent + ids)[-len(state.marker):]
         if tuple(state.recent) == state.marker:
             state.thinking = False
 
     def step_inputs(self, rows, device):
+        for row in rows:
+            self._watch_marker(row.state)
         inputs = {"thinking": to_device([row.state.thinking for row in rows], torch.bool, device)}
         if any(row.state.head_budgets is not None for row in rows):
             L, H = rows[0].state.num_layers, rows[0].state.num_kv_heads

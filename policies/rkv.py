@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from .base import Policy, PolicyParams
 from .observations import Need
 from .registry import register_policy
+from .snapkv import odd_kernel
 from .rkv_scores import due_heads, keep_recent_and_top, observe_attention, rkv_scores, start_window_mean
 
 
@@ -25,12 +26,7 @@ class RKVParams(PolicyParams):
     lambda_mix: float = Field(default=0.07, ge=0.0, le=1.0, description="weight of importance against redundancy")
     buffer: int = Field(default=1, ge=1, le=4096, description="a head evicts when it holds budget + buffer tokens")
 
-    @field_validator("kernel")
-    @classmethod
-    def _odd_kernel(cls, kernel: int) -> int:
-        if kernel % 2 == 0:
-            raise ValueError("must be odd (a centred pooling window)")
-        return kernel
+    _odd_kernel = field_validator("kernel")(odd_kernel)
 
 
 class RKVBase(Policy):

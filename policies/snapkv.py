@@ -12,16 +12,18 @@ from .observations import Need, keep_top_k, rank_by_position
 from .registry import register_policy
 
 
+def odd_kernel(kernel: int) -> int:
+    """A max-pooling width must be odd: a window centred on its token."""
+    if kernel % 2 == 0:
+        raise ValueError("must be odd (a centred pooling window)")
+    return kernel
+
+
 class SnapKVParams(PolicyParams):
     window: int = Field(default=32, ge=1)
     kernel: int = Field(default=7, ge=1)
 
-    @field_validator("kernel")
-    @classmethod
-    def _odd_kernel(cls, kernel: int) -> int:
-        if kernel % 2 == 0:
-            raise ValueError("must be odd (a centred pooling window)")
-        return kernel
+    _odd_kernel = field_validator("kernel")(odd_kernel)
 
 
 def pool_by_position(scores: torch.Tensor, view, kernel: torch.Tensor, max_kernel: int) -> torch.Tensor:

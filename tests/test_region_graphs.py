@@ -10,28 +10,16 @@ import pytest
 import torch
 
 from kvsieve.policies import get_policy
-from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.region_graphs import RegionGraphs, signature, step_tensors
-from kvsieve.radix_ext.runtime import RUNTIME
-from kvsieve.radix_ext.step_meta import StepBuilder
 
-from test_step_meta import admit, decode_batch
+from test_step_meta import admit, decode_batch, runtime  # noqa: F401  (fixture)
 
-L, H, D, P = 2, 2, 4, 4
 
 
 @pytest.fixture
-def builder():
-    RUNTIME.region = PageManager(RegionConfig(num_layers=L, num_kv_heads=H, head_dim=D, num_pages=2000,
-                                              page_size=P, max_rows=8))
-    RUNTIME.counters = torch.zeros((8, 2), dtype=torch.int64)
-    RUNTIME.overflow_flags = torch.zeros(8, dtype=torch.bool)
-    try:
-        yield StepBuilder(RUNTIME.region, torch.arange(8 * 2000, dtype=torch.int32).view(8, 2000), "cpu")
-    finally:
-        RUNTIME.requests.clear()
-        RUNTIME.token_observers.clear()
-        RUNTIME.region = None
+def builder(runtime):
+    """The step builder on the real page manager (test_step_meta's fixture)."""
+    return runtime
 
 
 def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
