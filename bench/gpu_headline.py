@@ -1,0 +1,289 @@
+"""The end-to-end headline (issue #8 item 5) in one device call:
+
+    python bench/gpu_headline.py MODEL_DIR OUT_DIR [--generate 8192,16384,32768] [--budgets 1024]
+        [--policies streaming,longflow,skipkv] [--kv-tokens 786432] [--max-running 512] [--tail 192]
+        [--parts machine,vanilla,kvsieve] [--check-prompt 2048]
+
+R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
+KV memory (--kv-tokens tokens of bf16 K and V). Generating G tokens is
+timed without generating all of them (a 32K generation would not fit in a
+10-minute call), from decode throughput measured in a steady window:
+
+* vanilla SGLang (triton, CUDA graphs): N = kv_tokens // (G + 64) requests
+  (all fit at once at the end of their generation) with prompts of G/2
+  tokens, decoding --tail tokens. A step's time is linear in the context
+  (weights + KV bytes), so the mean step time over a generation from 0 to G
+  is the step time at G/2: this window's throughput is the whole
+  generation's, at constant concurrency N.
+* kvsieve, each policy at budget B: min(fit, --max-running) requests of
+  64-token prompts (kept in the radix cache) decoding B + 2*tail tokens; the
+  window opens once every request holds B generated tokens (each step then
+  evicts: the step cost from there on no longer depends on G), so this is
+  the throughput of any generation G >> B, slightly below it in fact (the
+  ramp to B is cheaper).
+* `full` through the kvsieve engine against vanilla on one workload that
+  both pools hold (the SGLang path with the plugin installed).
+
+Each window: from the moment every request has reached its threshold to the
+first request's finish; tokens counted from streamed chunks
+(stream_interval 8). TPOT p50/p99 from chunk gaps in the window. Peak KV
+memory: vanilla N*(G/2 + tail + 64)... reported as the pool's bytes in use
+at the end of the window (tokens x bytes/token); kvsieve as the sum of the
+requests' retained_kv_bytes (kv_usage) at their end. Roofline per point:
+the step's weight GEMMs at the measured bf16 GEMM time for that batch
+(28 layers of qkv/o/gate_up/down + lm_head, timed on this GPU) plus the
+step's KV bytes at the measured copy bandwidth. Writes
+OUT_DIR/gpu-headline.json after every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+LAYERS, KV_HEADS, HEAD_DIM, PAGE = 28, 4, 128, 16
+HIDDEN, INTER, VOCAB, Q_HEADS = 3584, 18944, 152064, 28
+BYTES_PER_TOKEN = LAYERS * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+SHORT_PROMPT = 64
+STREAM_INTERVAL = 8
+POOL_SHARE = 0.15  # of the KV memory given to kvsieve's token pool (prompts, `full`); the rest is the region
+
+
+def options() -> dict:
+    opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+    ints = lambda key, default: [int(x) for x in opts.get(key, default).split(",")]  # noqa: E731
+    return {"generate": ints("--generate", "8192,16384,32768"), "budgets": ints("--budgets", "1024"),
+            "policies": opts.get("--policies", "streaming,longflow,skipkv").split(","),
+            "kv_tokens": int(opts.get("--kv-tokens", 786432)), "max_running": int(opts.get("--max-running", 512)),
+            "tail": int(opts.get("--tail", 192)), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
+
+
+VOCAB_IDS = (1000, 100000)  # random prompt ids are drawn here (set from the model's vocab in main)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*VOCAB_IDS) for _ in range(length)] for _ in range(n)]
+
+
+# ----- the machine: copy bandwidth and the weight GEMMs per batch ----------
+def machine(batches: list[int]) -> dict:
+    import torch
+
+    def timed(fn, repeats=10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        return sorted(times)[len(times) // 2]
+
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    copy_gbs = 2 * src.numel() / copy_s / 1e9
+    del src, dst
+    # One layer's weights (distinct tensors per layer would exceed nothing but
+    # time; one layer's 466 MB already dwarfs the L2, so reuse is fair).
+    shapes = [(HIDDEN, HIDDEN + 2 * KV_HEADS * HEAD_DIM), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
+    weights = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") for k, n in shapes]
+    head = torch.randn(HIDDEN, VOCAB, dtype=torch.bfloat16, device="cuda")
+    gemm_ms = {}
+    for m in batches:
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for k in (HIDDEN, INTER)}
+
+        def step():
+            for _ in range(LAYERS):
+                for w in weights:
+                    xs[w.shape[0]] @ w
+            xs[HIDDEN] @ head
+        gemm_ms[m] = round(1000 * timed(step, repeats=5), 3)
+    flops_per_token = 2 * (LAYERS * sum(k * n for k, n in shapes) + HIDDEN * VOCAB)
+    return {"copy_gb_s": round(copy_gbs, 1), "weight_gemm_ms": gemm_ms, "flops_per_token": flops_per_token}
+
+
+def roofline(mach: dict, batch: int, kv_tokens_read: float) -> dict:
+    gemm = mach["weight_gemm_ms"].get(batch) or mach["weight_gemm_ms"].get(str(batch))
+    kv_ms = 1000 * kv_tokens_read * BYTES_PER_TOKEN / (mach["copy_gb_s"] * 1e9)
+    step_ms = gemm + kv_ms
+    return {"step_ms": round(step_ms, 3), "weights_ms": gemm, "kv_ms": round(kv_ms, 3),
+            "tokens_per_s": round(1000 * batch / step_ms, 1)}
+
+
+# ----- one timed workload -------------------------------------------------
+async def stream_one(engine, ids, params, record):
+    trace = []
+    last = None
+    async for chunk in await engine.async_generate(input_ids=ids, sampling_params=params, stream=True):
+        trace.append((time.perf_counter(), chunk["meta_info"]["completion_tokens"]))
+        last = chunk
+    record.append({"trace": trace, "meta": last["meta_info"]})
+
+
+def tokens_at(trace, t) -> float:
+    """Tokens a request had at time t (linear between its chunks)."""
+    prev_t, prev_n = None, 0
+    for ct, n in trace:
+        if ct >= t:
+            if prev_t is None:
+                return 0.0
+            return prev_n + (n - prev_n) * (t - prev_t) / max(ct - prev_t, 1e-9)
+        prev_t, prev_n = ct, n
+    return float(prev_n)
+
+
+def window(records, threshold: int) -> dict:
+    opens = [next((t for t, n in r["trace"] if n >= threshold), None) for r in records]
+    if any(o is None for o in opens):
+        return {"error": f"a request never reached {threshold} tokens"}
+    start = max(opens)
+    end = min(r["trace"][-1][0] for r in records)
+    if end <= start:
+        return {"error": "no steady window: the first request finished before the last reached its threshold"}
+    tokens = sum(tokens_at(r["trace"], end) - tokens_at(r["trace"], start) for r in records)
+    gaps = []
+    for r in records:
+        for (t0, n0), (t1, n1) in zip(r["trace"], r["trace"][1:]):
+            if t0 >= start and t1 <= end and n1 > n0:
+                gaps.append(1000 * (t1 - t0) / (n1 - n0))
+    gaps.sort()
+    pick = lambda q: round(gaps[min(len(gaps) - 1, int(q * len(gaps)))], 2) if gaps else None  # noqa: E731
+    return {"window_s": round(end - start, 2), "window_tokens": round(tokens), "tokens_per_s": round(tokens / (end - start), 1),
+            "tpot_p50_ms": pick(0.5), "tpot_p99_ms": pick(0.99)}
+
+
+def timed_run(engine, ids, params, threshold: int) -> dict:
+    records: list = []
+    started = time.perf_counter()
+    engine.loop.run_until_complete(asyncio.gather(*(stream_one(engine, i, params, records) for i in ids)))
+    result = window(records, threshold)
+    result.update(requests=len(ids), seconds=round(time.perf_counter() - started, 1))
+    usage = [r["meta"].get("kvsieve_kv_usage") for r in records]
+    usage = [u[-1] if isinstance(u, list) else u for u in usage]
+    usage = [u for u in usage if u]
+    if usage:
+        result["retained_kv_bytes_sum"] = sum(u.get("retained_kv_bytes", 0) for u in usage)
+        result["evicted_tokens_mean"] = round(sum(u.get("evicted_tokens", 0) for u in usage) / len(usage), 1)
+    return result
+
+
+def params(tokens: int, policy=None) -> dict:
+    p = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    if policy is not None:
+        p["custom_params"] = {"kv_policy": policy}
+    return p
+
+
+def main() -> None:
+    global VOCAB_IDS
+    model, out_dir = sys.argv[1], sys.argv[2]
+    cfg = options()
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    VOCAB_IDS = (min(1000, vocab // 4), min(100000, vocab))
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    import sglang as sgl
+
+    results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke run)", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "command": "python bench/gpu_headline.py " + " ".join(sys.argv[1:]), "config": cfg,
+               "kv_bytes": cfg["kv_tokens"] * BYTES_PER_TOKEN, "vanilla": [], "kvsieve": [], "full_check": {}}
+    path = os.path.join(out_dir, "gpu-headline.json")
+    if os.path.exists(path):  # a later part of the same round adds to the earlier one
+        previous = json.load(open(path))
+        for key in ("machine", "vanilla", "kvsieve", "full_check"):
+            if previous.get(key):
+                results[key] = previous[key]
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    pool_tokens = int(cfg["kv_tokens"] * POOL_SHARE)
+    vanilla_n = {g: min(cfg["max_running"], cfg["kv_tokens"] // (g + SHORT_PROMPT)) for g in cfg["generate"]}
+    region_tokens = cfg["kv_tokens"] - pool_tokens
+    kvsieve_n = {b: min(cfg["max_running"], region_tokens // (-(-(b + STREAM_INTERVAL + 1) // PAGE) * PAGE)
+                        // 1) for b in cfg["budgets"]}
+    # A check workload both pools hold: prompts of 2K, the pool's share.
+    check_prompt = cfg["check_prompt"]
+    check_n = min(64, cfg["max_running"], pool_tokens // (check_prompt + 2 * cfg["tail"]))
+
+    if "machine" in cfg["parts"] and torch.cuda.is_available():
+        results["machine"] = machine(sorted(set(vanilla_n.values()) | set(kvsieve_n.values()) | {check_n}))
+        print("machine", json.dumps(results["machine"]), flush=True)
+        save()
+        torch.cuda.empty_cache()
+
+    common = dict(model_path=model, load_format="dummy", skip_tokenizer_init=True, sampling_backend="pytorch",
+                  log_level="warning", mem_fraction_static=0.85, stream_interval=STREAM_INTERVAL)
+    vanilla_backend = "triton"
+    graphs = dict(cuda_graph_max_bs_decode=128)  # vanilla batches and the `full` check stay below 128
+    if not torch.cuda.is_available():  # a CPU smoke run of this script's logic on a tiny model
+        vanilla_backend, graphs = "torch_native", dict(device="cpu", disable_cuda_graph=True)
+    if "vanilla" in cfg["parts"]:
+        started = time.perf_counter()
+        engine = sgl.Engine(attention_backend=vanilla_backend, max_total_tokens=cfg["kv_tokens"],
+                            max_running_requests=cfg["max_running"], **graphs, **common)
+        results["vanilla_start_s"] = round(time.perf_counter() - started, 1)
+        try:
+            entry = timed_run(engine, prompts(check_n, check_prompt, 1), params(cfg["tail"]), 1)
+            results["full_check"]["vanilla"] = entry
+            print("check vanilla", json.dumps(entry), flush=True)
+            for g in cfg["generate"]:
+                n = vanilla_n[g]
+                entry = timed_run(engine, prompts(n, g // 2, g), params(cfg["tail"]), 1)
+                entry.update(generate=g, context_at_window=g // 2, kv_in_use_bytes=n * (g // 2 + cfg["tail"]) * BYTES_PER_TOKEN)
+                if results.get("machine"):
+                    entry["roofline"] = roofline(results["machine"], n, n * (g // 2 + cfg["tail"] // 2))
+                results["vanilla"].append(entry)
+                print("vanilla", json.dumps(entry), flush=True)
+                save()
+                engine.flush_cache()
+        finally:
+            engine.shutdown()
+        save()
+
+    if "kvsieve" in cfg["parts"]:
+        region_pages = region_tokens * LAYERS * KV_HEADS // PAGE
+        os.environ["KVSIEVE_REGION_PAGES"] = str(region_pages)
+        results["kvsieve_memory"] = {"pool_tokens": pool_tokens, "region_pages": region_pages, "page_size": PAGE}
+        started = time.perf_counter()
+        engine = sgl.Engine(attention_backend="kvsieve", max_total_tokens=pool_tokens,
+                            max_running_requests=cfg["max_running"], **graphs, **common)
+        results["kvsieve_start_s"] = round(time.perf_counter() - started, 1)
+        try:
+            entry = timed_run(engine, prompts(check_n, check_prompt, 1), params(cfg["tail"], "full"), 1)
+            results["full_check"]["kvsieve_full"] = entry
+            if "vanilla" in results["full_check"] and "tokens_per_s" in entry:
+                entry["vs_vanilla"] = round(entry["tokens_per_s"] / results["full_check"]["vanilla"]["tokens_per_s"], 3)
+            print("check full", json.dumps(entry), flush=True)
+            save()
+            for budget in cfg["budgets"]:
+                n = kvsieve_n[budget]
+                for name in cfg["policies"]:
+                    policy = {"name": name, "budget": budget}
+                    entry = timed_run(engine, prompts(n, SHORT_PROMPT, 7), params(budget + 2 * cfg["tail"], policy),
+                                      budget)
+                    entry.update(policy=name, budget=budget)
+                    if results.get("machine"):
+                        entry["roofline"] = roofline(results["machine"], n, n * (budget + SHORT_PROMPT))
+                    results["kvsieve"].append(entry)
+                    print("kvsieve", json.dumps(entry), flush=True)
+                    save()
+                    engine.flush_cache()
+        finally:
+            engine.shutdown()
+    save()
+
+
+if __name__ == "__main__":
+    main()
