@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from kvsieve.kernels.attention_ref import attend_rows
 from kvsieve.kernels.decode_attention import decode_attention
+from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
 from . import region_graphs
@@ -75,7 +76,7 @@ class KvsieveAttnBackend(AttentionBackend):
             RUNTIME.model_info = build_model_info(model_runner, pool.layer_num, pool.head_num, pool.head_dim)
         self.steps = StepBuilder(self.pages, model_runner.req_to_token_pool.req_to_token, self.device)
         self.step: StepMeta | None = None
-        #: Decode attention of compressed rows: the Triton kernel on GPU, the
+        #: Decode and extend attention of compressed rows: the Triton kernels on GPU, the
         #: PyTorch reference on CPU (KVSIEVE_DECODE_KERNEL=torch|triton overrides).
         choice = os.environ.get("KVSIEVE_DECODE_KERNEL", "triton" if self.device == "cuda" else "torch")
         if choice not in ("triton", "torch"):
@@ -83,8 +84,8 @@ class KvsieveAttnBackend(AttentionBackend):
         self.use_kernel = choice == "triton"
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
         self.graphs = RegionGraphs() if region_graphs.enabled(self.device) else None
-        logger.warning("kvsieve: compressed rows' decode attention runs %s",
-                       "the Triton kernel (kernels/decode_attention.py)" if self.use_kernel
+        logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
+                       "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
 
         # Token ids and the last layer's hidden states reach policies from
@@ -307,23 +308,32 @@ class KvsieveAttnBackend(AttentionBackend):
         p.position[page, offset] = ext.query_pos[ext.token_row, ext.token_col].unsqueeze(1)
         p.score[page, offset] = p.const_zero
         p.last_hit[page, offset] = p.const_zero_int
-        # 2. Causal attention over prefix + region, in query blocks.
-        rk, rv, view = self._slots(table)
-        pk, pv = self._prefix_kv(layer, rows)
+        # 2. Causal attention over prefix + region (same kernel choice as decode).
         q_rows = q3.new_zeros((R, ext.max_len, *q3.shape[1:]))
         q_rows[ext.token_row, ext.token_col] = q3[t]
-        out_rows = q3.new_empty((R, ext.max_len, q3.shape[1], o3.shape[2]))
         observed = Need.ATTENTION if rows.needs & Need.ATTENTION else Need.NONE
-        attention = torch.zeros_like(view.score)
-        for b in range(0, ext.max_len, EXTEND_QUERY_BLOCK):  # blocks of queries, known on the host
-            pos = ext.query_pos[:, b:b + EXTEND_QUERY_BLOCK]  # [R, Tb]
-            mask = view.valid.unsqueeze(1) & (view.position.unsqueeze(1) <= pos.view(R, -1, 1, 1)) \
-                & (pos >= 0).view(R, -1, 1, 1)
-            out, obs = attend_rows(q_rows[:, b:b + EXTEND_QUERY_BLOCK], pk, pv, rows.prefix_mask, rk, rv, mask,
-                                   layer.scaling, observed, observe=ext.observe[:, b:b + EXTEND_QUERY_BLOCK])
-            out_rows[:, b:b + EXTEND_QUERY_BLOCK] = out
-            if observed:
-                attention += obs.attention
+        if self.use_kernel:
+            pool = self.token_to_kv_pool
+            out_rows, attention = extend_attention(
+                q_rows, ext.query_pos, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                rows.prefix_slots, rows.prefix_lens, p.k, p.v, p.valid, p.position, table, layer.scaling,
+                observe=ext.observe if observed else None)
+            # No dense prefix gather here; layer 0's prompt probe, where present, reads the prefix keys.
+            pk = self._prefix_kv(layer, rows)[0] if layer.layer_id == 0 and getattr(ext, "probe", None) else None
+        else:
+            rk, rv, view = self._slots(table)
+            pk, pv = self._prefix_kv(layer, rows)
+            out_rows = q3.new_empty((R, ext.max_len, q3.shape[1], o3.shape[2]))
+            attention = torch.zeros_like(view.score)
+            for b in range(0, ext.max_len, EXTEND_QUERY_BLOCK):  # blocks of queries, known on the host
+                pos = ext.query_pos[:, b:b + EXTEND_QUERY_BLOCK]  # [R, Tb]
+                mask = view.valid.unsqueeze(1) & (view.position.unsqueeze(1) <= pos.view(R, -1, 1, 1)) \
+                    & (pos >= 0).view(R, -1, 1, 1)
+                out, obs = attend_rows(q_rows[:, b:b + EXTEND_QUERY_BLOCK], pk, pv, rows.prefix_mask, rk, rv, mask,
+                                       layer.scaling, observed, observe=ext.observe[:, b:b + EXTEND_QUERY_BLOCK])
+                out_rows[:, b:b + EXTEND_QUERY_BLOCK] = out
+                if observed:
+                    attention += obs.attention
         o3[t] = out_rows[ext.token_row, ext.token_col].to(o3.dtype)
         if observed:
             # Summed over prefill chunks in the region, until the selection reads it.
