@@ -131,7 +131,7 @@ def check(kernel, case, observe, dtype, **blocks):
 CASES = [
     # Hq, Hkv, D, page, M, prefix, earlier, chunk, window, shuffle, block_m, block_n
     (4, 2, 16, 8, 4, [5, 0, 19], [0, 6, 3], [9, 4, 13], [3, 4, 20], False, 16, 16),  # G=2, ragged, prefix 0 and >0
-    (3, 3, 32, 16, 2, [0, 0], [10, 0], [20, 7], None, False, 16, 16),  # G=1, no prefix, every query observed
+    (3, 3, 32, 32, 1, [0, 0], [10, 0], [20, 7], None, False, 16, 16),  # G=1, no prefix, all observed, page > block
     (7, 1, 16, 4, 6, [33, 2], [0, 4], [5, 11], [2, 5], True, 16, 16),  # G=7 padded to 8, positions not in slot order
     (8, 2, 16, 16, 3, [0, 40], [17, 0], [21, 1], [8, 1], False, 32, 16),  # a 1-token chunk: tiles of padding only
 ]
