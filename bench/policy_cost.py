@@ -47,6 +47,20 @@ def fixture(name: str):
     return add
 
 
+@fixture("crystalcache")
+def _crystalcache_breath_step(policy, batch, view, obs, shape):
+    """A breath-cycle step, its costliest: every layer evicts by the host's
+    keep table (half of the positions kept) and the first layer also
+    snapshots its slots for the next cycle (step_inputs ships neither on a
+    fresh request)."""
+    R, _, S = view.valid.shape
+    g = torch.Generator(device=view.valid.device).manual_seed(1)
+    batch.inputs["keep"] = torch.rand(R, S, generator=g, device=view.valid.device) < 0.5
+    batch.inputs["snap_index"] = torch.arange(R, device=view.valid.device)
+    if view.keys is None:  # Need.LAYER0_KEYS: the first layer's keys
+        view.keys = torch.randn(R, view.valid.shape[1], S, shape["head_dim"], generator=g, device=view.valid.device)
+
+
 def step_ms(device: str, batch: int, given: dict[int, float]) -> tuple[float | None, str]:
     """A decode step of the same batch and where its time came from (see module doc)."""
     if batch in given:

@@ -3,8 +3,9 @@
 from . import full, h2o, longflow, snapkv, streaming, thinkv  # noqa: F401  (register the policies)
 from . import rkv, skipkv  # noqa: F401,E402  (register the policies)
 from . import crystal_kv  # noqa: F401,E402  (register the policy)
+from . import crystalcache  # noqa: F401,E402  (register the policy)
 from .base import Policy, PolicyParams, RequestState
-from .observations import Need, Observations, PolicyBatch, SlotView
+from .observations import Need, Observations, PolicyBatch, PromptAttention, SlotView
 from .registry import POLICY_MODULES_ENV, get_policy, load_policy_modules, policy_names, register_policy
 from .spec import FULL, KVPolicyError, KVPolicySpec, parse_kv_policy
 

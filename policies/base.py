@@ -159,6 +159,14 @@ class Policy:
         belongs here, not in the decisions."""
         return {}
 
+    def prompt_attention_inputs(self, rows: list, device) -> dict[str, torch.Tensor]:
+        """Need.LAYER0_ATTENTION: the rows of this policy whose private prompt
+        ends in this step, each as an observations.PromptAttention (host
+        tensors), once per step in the first layer's forward, before any
+        layer's select_prefill; the tensors returned join those rows'
+        `batch.inputs` for this step's select_prefill (leading dim: rows)."""
+        return {}
+
     # ----- per-request host events (between steps) -------------------------
     def begin_request(self, params: PolicyParams, num_layers: int, num_kv_heads: int) -> RequestState:
         return RequestState(params, num_layers, num_kv_heads)

@@ -25,6 +25,38 @@ class Need(enum.Flag):
     HIDDEN_STATES = enum.auto()  # last layer's hidden state of the new token
     TOKEN_IDS = enum.auto()
     KEYS = enum.auto()  # SlotView.keys: the slots' post-RoPE keys (ThinKV's k-means)
+    #: The first layer's attention over the private prompt, summarized per
+    #: 1024-query chunk at the prompt's end (radix_ext/layer0_probe.py):
+    #: Policy.prompt_attention_inputs gets it (CrystalCache S1).
+    LAYER0_ATTENTION = enum.auto()
+    LAYER0_KEYS = enum.auto()  # SlotView.keys in the first layer's decisions only
+
+
+@dataclass
+class PromptAttention:
+    """What Need.LAYER0_ATTENTION hands a policy at the end of a request's
+    private prompt: the first layer's attention probabilities (the private
+    columns of the joint softmax over prefix + prompt) of every private
+    prompt query, summarized per chunk of `chunk` queries, on the host.
+    Local index i is the private prompt's i-th token (absolute position
+    base + i). Query heads: Hq; rows without an edge pad with index -1."""
+
+    state: object  # the request's RequestState
+    token_ids: list  # [n] the private prompt's token ids
+    base: int  # absolute position of local index 0
+    budget: int  # the request's budget at the prompt's end (tokens per layer and kv head)
+    chunk: int
+    #: [n] per key i: the attention it receives from its own chunk's queries,
+    #: summed over those queries per head, then over the top `top_heads` heads.
+    saliency: torch.Tensor
+    #: [n, k] per query i of a chunk: the k other queries of its chunk whose
+    #: head-mean attention rows (over the chunk's keys) are most cosine-similar.
+    intra_index: torch.Tensor
+    intra_weight: torch.Tensor
+    #: [n, k] per query i: the k keys before its chunk with the highest
+    #: head-mean attention probability.
+    cross_index: torch.Tensor
+    cross_weight: torch.Tensor
 
 
 @dataclass

@@ -37,7 +37,7 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import region_graphs
+from . import layer0_probe, region_graphs
 from .model_info import build_model_info
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
@@ -58,6 +58,15 @@ def _platform_backend(model_runner):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     return TorchNativeAttnBackend(model_runner)
+
+
+def _private_ids(req) -> list:
+    """The private prompt's token ids, from SGLang's Req (host lists); -1s
+    when the request has none (direct engine use)."""
+    sgl = req.sgl_req
+    ids = list(getattr(sgl, "origin_input_ids", None) or []) + list(getattr(sgl, "output_ids", None) or [])
+    private = ids[req.prefix_len:req.prompt_len]
+    return private if len(private) == req.prompt_len - req.prefix_len else [-1] * (req.prompt_len - req.prefix_len)
 
 
 class KvsieveAttnBackend(AttentionBackend):
@@ -249,7 +258,8 @@ class KvsieveAttnBackend(AttentionBackend):
                                         pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
                                         p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm)
             o3[idx] = out.to(o3.dtype)
-            view = self._view(table, keys=bool(rows.needs & Need.KEYS))
+            view = self._view(table, keys=bool(rows.needs & Need.KEYS)
+                              or (layer.layer_id == 0 and bool(rows.needs & Need.LAYER0_KEYS)))
         else:
             rk, rv, view = self._slots(table)
             pk, pv = self._prefix_kv(layer, rows)
@@ -268,7 +278,9 @@ class KvsieveAttnBackend(AttentionBackend):
         for group in groups:  # one per policy class present, not per row
             g = group.rows
             # Keys only for policies that read them (Need.KEYS): a gather per call.
-            keys = view.keys[g] if view.keys is not None and group.policy.needs & Need.KEYS else None
+            wants_keys = group.policy.needs & Need.KEYS or (layer.layer_id == 0
+                                                            and group.policy.needs & Need.LAYER0_KEYS)
+            keys = view.keys[g] if view.keys is not None and wants_keys else None
             sub = SlotView(valid=view.valid[g], position=view.position[g], score=view.score[g],
                            last_hit=view.last_hit[g], keys=keys)
             batch = group.batch(layer.layer_id, H)
@@ -339,8 +351,35 @@ class KvsieveAttnBackend(AttentionBackend):
             # Summed over prefill chunks in the region, until the selection reads it.
             shape = (*table.shape, P)
             p.prefill_attention[table] = (p.prefill_attention[table] + attention.reshape(shape))
+        if ext.probe and layer.layer_id == 0:
+            self._probe_prompt(q3, table, pk, ext, layer.scaling)
         if ext.ending.numel():
             self._select_prompt(layer, table[ext.ending], ext, rows.pool_rows[ext.ending])
+
+    def _probe_prompt(self, q3, table, pk, ext, scale):
+        """Need.LAYER0_ATTENTION (first layer only): probe the rows' prompt
+        queries (layer0_probe.py); for rows whose prompt ends here, hand the
+        summaries to their policies (one read-back for all of them) and add
+        what the policies build to their groups' inputs, before any layer's
+        select_prefill reads them."""
+        ended = {}
+        for pr in ext.probe:  # rows of probed policies only, bounded on the host
+            req = pr.request
+            private = req.prompt_len - req.prefix_len
+            state = layer0_probe.state_of(req.state, private, pr.first, table.device)
+            keys = self._flat(self.pages.k, table[pr.row:pr.row + 1])[0]  # [H, S, D]
+            layer0_probe.observe(state, q3[pr.token_start:pr.token_start + pr.count], keys,
+                                 pk[pr.row, :req.prefix_len], scale)
+            if state.done >= private:
+                ended[pr.row] = (req.state, _private_ids(req), req.prefix_len, pr.budget)
+        if not ended:
+            return
+        summaries = dict(zip(ended, layer0_probe.collect(list(ended.values()))))
+        for group in ext.ending_groups:
+            if group.policy.needs & Need.LAYER0_ATTENTION:
+                rows = [summaries.get(ext.ending_rows[m]) for m in group.members]
+                if all(r is not None for r in rows):
+                    group.inputs.update(group.policy.prompt_attention_inputs(rows, table.device))
 
     def _select_prompt(self, layer, table, ext, pool_rows):
         """The private prompt of these rows is whole: let their policies

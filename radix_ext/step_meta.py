@@ -49,6 +49,7 @@ class PolicyGroup:
     inputs: dict = field(default_factory=dict)  # Policy.step_inputs of this step
     pool_rows: Optional[torch.Tensor] = None  # [Rg] req_pool rows
     max_rows: int = 0
+    members: list = field(default_factory=list)  # host: the rows' indices (as `rows`)
 
     def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
         per_layer = self.inputs.get("budget")
@@ -90,6 +91,21 @@ class ExtendRows:
     max_len: int  # T
     ending: torch.Tensor  # [E] region rows whose private prompt ends in this step
     ending_groups: list  # PolicyGroup per policy class, rows indexing `ending`
+    #: Host: region rows whose policy needs Need.LAYER0_ATTENTION (layer0_probe.py).
+    probe: list = field(default_factory=list)
+    ending_rows: list = field(default_factory=list)  # host copy of `ending`
+
+
+@dataclass
+class ProbeRow:
+    """A region row of an extend whose first-layer attention is probed."""
+
+    row: int  # region row
+    token_start: int  # its first token in the batch
+    count: int  # its tokens in this extend
+    first: int  # local position (private prompt index) of its first token
+    request: CompressedRequest
+    budget: int  # its budget this step
 
 
 @dataclass
@@ -166,7 +182,8 @@ class StepBuilder:
                 budget=_long([budgets[r] for r in members], self.device),
                 step=_long([steps[r] for r in members], self.device),
                 params=params, maxima=maxima, inputs=inputs,
-                pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows))
+                pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows,
+                members=members))
         return groups
 
     def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill) -> RegionRows:
@@ -269,7 +286,7 @@ class StepBuilder:
         requests = [RUNTIME.requests[fb.rids[i]] for i in region]
         pool_rows = self._pool_rows(fb, requests, region)
         token_index, token_row, token_col, token_slot = [], [], [], []
-        lengths, query_starts, ending, budgets, windows = [], [], [], [], []
+        lengths, query_starts, ending, budgets, windows, probe = [], [], [], [], [], []
         for r, (req, i) in enumerate(zip(requests, region)):
             prefix, n = fb.extend_prefix_lens_cpu[i], fb.extend_seq_lens_cpu[i]
             if req.prefix_len < 0:
@@ -289,6 +306,9 @@ class StepBuilder:
             # The budget counts every private token of the prompt, the last chunk's too.
             budgets.append(req.budget_tokens(req.private_seen))
             windows.append(type(req.policy).observation_window(req.params, req.prompt_len - req.prefix_len))
+            if req.policy.needs & Need.LAYER0_ATTENTION:
+                probe.append(ProbeRow(row=r, token_start=starts[i], count=n, first=first_slot, request=req,
+                                      budget=budgets[-1]))
         self.pages.flush()
         dev = self.device
         rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests],
@@ -308,7 +328,7 @@ class StepBuilder:
         extend = ExtendRows(
             token_index=_long(token_index, dev), token_row=_long(token_row, dev), token_col=_long(token_col, dev),
             token_slot=_long(token_slot, dev), query_pos=query_pos, observe=observe, max_len=T,
-            ending=_long(ending, dev), ending_groups=ending_groups)
+            ending=_long(ending, dev), ending_groups=ending_groups, probe=probe, ending_rows=ending)
         pool_tokens = [t for i in pool for t in range(starts[i], starts[i + 1])]
         zero_tokens = [t for i in zero for t in range(starts[i], starts[i + 1])]
         return self._meta(fb, rows, extend, pool, zero, pool_tokens, zero_tokens)

@@ -1,0 +1,312 @@
+"""`crystalcache` (CrystalCache, crystalcache.txt §3, Table 2; policies.md):
+one index set per request (every layer and head keeps the same positions),
+chosen over trunks (sentence groups) on the host.
+
+Prefill (S1-S6, policies.crystalcache_prefill): at the end of the private
+prompt the engine probes the first layer's attention chunk by chunk
+(Need.LAYER0_ATTENTION, radix_ext/layer0_probe.py) and hands the summary
+(saliency, intra- and cross-chunk edge candidates) to
+`prompt_attention_inputs`, which thresholds the edges, builds trunks, M_i,
+D, and dissolves branches down to B = max(floor, budget); the kept positions
+reach every layer's select_prefill as a keep table
+(policies.crystalcache_select).
+
+Decode (policies.crystalcache_decode / _trunks): decoded tokens are queued
+(on_tokens, device copies) and join the trunk table at each breath cycle.
+Every `breath` steps (64):
+  * at step s = k*breath - 1 the first layer's decision snapshots, for the
+    rows due, its slots' positions, the layer-0 attention they received
+    since the last snapshot (accumulated in view.score, first layer only)
+    and the layer-0 key norms (Need.LAYER0_KEYS);
+  * at step s + 1, step_inputs reads the snapshot and the queued tokens back
+    (between steps: the only reads), applies s+1 - last steps of D decay,
+    gives the queued tokens their received attention (pending sentences),
+    adds them (closing sentences into trunks), and runs the breath cycle
+    (activation, resonance, Hebbian, re-eviction to B); the keep table goes
+    to every layer's select_decode of that step. Positions the snapshot had
+    not seen (the current token) are kept.
+Between breath cycles nothing is evicted: the decode decision is a no-op
+apart from the first layer's attention accumulation.
+
+Decisions (beyond policies.md):
+  * B = max(floor, budget), floor = max(sinks + recent, sinks + 62): the
+    paper's 4 + 128, and room for the decode phase's protected sink trunk
+    (<= sinks + 31 tokens) plus an unfinished sentence (<= 31 tokens), so a
+    breath cycle can always get down to B. A fixed budget below the floor
+    is refused (400, kv_policy.budget).
+  * `sinks` counts from the first private token (with compress_prompt off,
+    the first generated one); the shared prefix is never evicted anyway.
+  * A decoded token's saliency: the layer-0 attention it received (summed
+    over kv heads, scaled by 3 / query heads: the mean head times the
+    paper's top-3 heads), from its own query on, until the breath cycle
+    that closes its sentence.
+  * D decays every step; applied in bulk at each breath cycle (exact for
+    the trunks that existed during the cycle; a trunk born in a cycle
+    starts decaying at the next one).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import Field
+
+from .base import Policy, PolicyParams, RequestState
+from .crystalcache_decode import decay_crystal
+from .crystalcache_prefill import (
+    M_MAX, M_MIN, T_MAX, TAU_CROSS, TAU_INTRA, TOP_HEADS, Dissolution, PrefillResult, branch_dissolve,
+    build_trunks, crystallization, encoding_impact, sentences, trunk_graph, trunk_impact,
+)
+from .crystalcache_select import evict_outside, keep_table
+from .crystalcache_trunks import CrystalTrunks
+from .observations import Need, PromptAttention, to_device
+from .registry import register_policy
+
+
+class CrystalCacheParams(PolicyParams):
+    sinks: int = Field(default=4, ge=0, le=4096,
+                       description="first private tokens whose trunks are never evicted (prefill and decode)")
+    recent: int = Field(default=128, ge=0, le=1 << 20,
+                        description="last prompt tokens whose trunks the prefill selection protects")
+    breath: int = Field(default=64, ge=1, le=1 << 16,
+                        description="decode steps between breath cycles (activation, resonance, Hebbian, re-eviction)")
+    decode: bool = Field(default=True, description="run the decode phase (false: prefill selection only)")
+
+
+def budget_floor(params: CrystalCacheParams) -> int:
+    """Smallest B: the protected prompt ends, and a decode cycle's protected
+    sink trunk plus an unfinished sentence."""
+    return max(params.sinks + params.recent, params.sinks + 2 * (T_MAX - 1))
+
+
+def effective_budget(params: CrystalCacheParams, budget: int) -> int:
+    return max(budget_floor(params), budget)
+
+
+class CrystalCacheState(RequestState):
+    def __init__(self, params, num_layers, num_kv_heads):
+        super().__init__(params, num_layers, num_kv_heads)
+        self.trunks: Optional[CrystalTrunks] = None
+        self.base = -1  # absolute position of the first private token
+        self.decoding = False  # set by step_inputs: on_tokens then sees generated tokens
+        self.queued: list = []  # device [2, T] (positions, ids) of generated tokens not yet in the trunk table
+        self.last_decay = 0  # decode step up to which D has decayed
+        self.snapshot = None  # host (positions [H, S], scores, valid, key norms), read from the first layer
+        self.keep = None  # (kept positions, judged) to ship at the next step
+        self.breaths = 0
+
+
+@register_policy
+class CrystalCachePolicy(Policy):
+    name = "crystalcache"
+    Params = CrystalCacheParams
+    needs = Need.LAYER0_ATTENTION | Need.LAYER0_KEYS | Need.ATTENTION | Need.TOKEN_IDS
+    keeps_slot_state = True  # the first layer's view.score: attention received since the last snapshot
+    compress_prompt = True
+    graph_safe = False
+    description = ("CrystalCache: one index set per request over sentence trunks; prefill S1-S6 from the first "
+                   "layer's attention, decode breath cycles (decay, resonance, Hebbian, re-eviction).")
+
+    _snap = None  # (states, device tensors) of the last first-layer snapshot, until step_inputs reads it
+    _snap_states: list = []
+
+    def begin_request(self, params, num_layers, num_kv_heads) -> CrystalCacheState:
+        return CrystalCacheState(params, num_layers, num_kv_heads)
+
+    def _delimiters(self) -> frozenset:
+        return self.model.delimiter_ids if self.model is not None else frozenset()
+
+    # ----- admission (host) ------------------------------------------------------
+    @classmethod
+    def check_budget(cls, params, budget, budget_ratio):
+        floor = budget_floor(params)
+        if budget is not None and budget < floor:
+            return "budget", (f"crystalcache needs a budget of at least {floor} tokens (sinks + recent, and "
+                              f"sinks + {2 * (T_MAX - 1)} for a decode breath cycle)")
+        return None
+
+    def kept_after_prefill(self, params, private_prompt, budget):
+        # Protected trunks (touching the first `sinks` or last `recent`
+        # tokens, up to T_MAX - 1 tokens past each) may exceed B.
+        protected = params.sinks + params.recent + 2 * (T_MAX - 1)
+        return min(private_prompt, max(effective_budget(params, budget), protected))
+
+    def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
+        # The whole private prompt until its selection; then the kept prompt
+        # (or B after a breath cycle) grows by `breath` + 1 tokens before the
+        # next cycle cuts back to B (the pending sentence counts in B).
+        kept = self.kept_after_prefill(params, private_prompt, budget)
+        if params.decode:
+            peak = max(kept, effective_budget(params, budget)) + params.breath + 1
+        else:
+            peak = kept + max_new_tokens
+        return min(private_prompt + max_new_tokens, max(private_prompt, peak))
+
+    @classmethod
+    def observation_window(cls, params, private_prompt):
+        return 0  # the selection reads the first layer's probe, not the last queries' attention
+
+    # ----- prefill: S1-S6 on the host, once per request ---------------------------
+    def prompt_attention_inputs(self, rows: list[PromptAttention], device):
+        kept, judged = [], []
+        for pa in rows:
+            positions = self._prefill(pa)
+            kept.append(positions)
+            judged.append(pa.base + len(pa.token_ids))
+        table = keep_table(kept, judged, max(judged) + 1)
+        return {"keep": to_device(table, torch.bool, device)}
+
+    def _prefill(self, pa: PromptAttention) -> list[int]:
+        state: CrystalCacheState = pa.state
+        p = state.params
+        ids = list(pa.token_ids)
+        n = len(ids)
+        saliency = pa.saliency.double().clamp(M_MIN, M_MAX)
+        edges = prompt_edges(pa)
+        impact = encoding_impact(saliency, ids)
+        trunks = build_trunks(sentences(ids, self._delimiters()), edges)
+        trunk_m = [trunk_impact(impact, g) for g in trunks]
+        graph = trunk_graph(trunks, edges)
+        crystal = crystallization(len(trunks), graph)
+        budget = effective_budget(p, pa.budget)
+        dissolution = branch_dissolve(trunks, impact, trunk_m, crystal, budget, n, p.sinks, p.recent)
+        result = PrefillResult(dissolution, trunks, impact, trunk_m, graph)
+        state.base = pa.base
+        if p.decode:
+            state.trunks = shifted(CrystalTrunks(result, ids, self._delimiters()), pa.base)
+        return [pa.base + i for i in dissolution.kept]
+
+    def select_prefill(self, batch, view, obs):
+        view.score.zero_()
+        keep = batch.inputs.get("keep")
+        return None if keep is None else evict_outside(keep, view)
+
+    # ----- decode: host, between steps ---------------------------------------------
+    def on_tokens(self, state, positions, token_ids, hidden_states):
+        if state.decoding and state.params.decode:
+            state.queued.append(torch.stack([positions.long(), token_ids.long()]))  # a copy, read at a breath
+
+    def step_inputs(self, rows, device):
+        self._read_snapshot()
+        if not rows or rows[0].prefill:
+            for row in rows:
+                row.state.decoding = False
+            return {}
+        for row in rows:
+            row.state.decoding = True
+            st = row.state
+            if st.snapshot is not None:
+                self._breath(st, row.step, effective_budget(st.params, row.budget))
+        inputs = {}
+        fresh = [row.state.keep for row in rows]
+        if any(k is not None for k in fresh):
+            kept = [k[0] if k is not None else [] for k in fresh]
+            judged = [k[1] if k is not None else 0 for k in fresh]
+            inputs["keep"] = to_device(keep_table(kept, judged, max(judged) + 1), torch.bool, device)
+            for row in rows:
+                row.state.keep = None
+        due = [i for i, row in enumerate(rows)
+               if row.state.params.decode and (row.step + 1) % row.state.params.breath == 0]
+        self._snap_states = [rows[i].state for i in due]
+        if due:
+            inputs["snap_index"] = to_device(due, torch.int64, device)
+        return inputs
+
+    def _read_snapshot(self) -> None:
+        """The first layer's snapshot of the last step, to the host (one read)."""
+        if self._snap is None:
+            return
+        states, tensors = self._snap
+        self._snap = None
+        host = torch.stack([t.double() for t in tensors]).cpu()  # between steps: allowed
+        for i, st in enumerate(states):
+            st.snapshot = host[:, i]
+
+    def _breath(self, st: CrystalCacheState, step: int, budget: int) -> None:
+        positions, scores, valid, norms = st.snapshot
+        st.snapshot = None
+        valid = valid.bool()
+        pos = positions[valid].long()
+        if pos.numel() == 0:
+            return
+        width = int(pos.max()) + 1
+        mass = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, scores[valid])
+        norm = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, norms[valid])
+        count = torch.bincount(pos, minlength=width)
+        present = (count > 0).nonzero().flatten().tolist()
+        heads = max(self.model.num_q_heads, 1) if self.model is not None else 1
+        scale = TOP_HEADS / heads
+        mass_l, norm_l, count_l = mass.tolist(), norm.tolist(), count.tolist()
+        tokens = torch.cat(st.queued, dim=1).tolist() if st.queued else [[], []]
+        st.queued = []
+        if st.trunks is None:  # prompt kept in the radix cache: trunks from generated tokens only
+            st.trunks = CrystalTrunks(_empty_prefill(), [], self._delimiters())
+            st.base = min(tokens[0]) if tokens[0] else present[0]
+        trunks = st.trunks
+        trunks.crystal = decay_crystal(trunks.crystal, trunks.trunk_m, max(step - st.last_decay, 0))
+        st.last_decay = step
+        waiting = {p for p, _ in trunks.pending} | set(tokens[0])
+        trunks.receive({p: mass_l[p] * scale for p in waiting if p < width and count_l[p]})
+        for p, t in zip(tokens[0], tokens[1]):
+            trunks.add_token(p, t)
+        st.breaths += 1
+        if not any(trunks.trunks):  # only an unfinished sentence: nothing to judge
+            return
+        inv = {p: (count_l[p] / norm_l[p]) if norm_l[p] > 0 else 0.0 for p in present}
+        # Judge only what the trunk table knows (a token whose id has not
+        # been seen yet stays kept until the next cycle).
+        known = max(max((g[-1] for g in trunks.trunks if g), default=-1),
+                    max((p for p, _ in trunks.pending), default=-1))
+        kept = trunks.breath(inv, budget, n_sink=st.base + st.params.sinks)
+        st.keep = (kept, known + 1)
+
+    def end_request(self, state):
+        state.queued = []
+        state.trunks = None
+        state.snapshot = None
+
+    # ----- per layer (device) ------------------------------------------------------
+    def select_decode(self, batch, view, obs):
+        keep = batch.inputs.get("keep")
+        evict = evict_outside(keep, view) if keep is not None else None
+        if batch.layer == 0:
+            valid = view.valid if evict is None else view.valid & ~evict
+            if obs.attention is not None:
+                view.score.add_(torch.where(valid, obs.attention.float(), torch.zeros_like(view.score)))
+            index = batch.inputs.get("snap_index")
+            if index is not None:
+                keys = view.keys
+                norms = (keys[index].float().norm(dim=-1) if keys is not None
+                         else torch.ones_like(view.score[index]))
+                self._snap = (list(self._snap_states), (view.position[index], view.score[index].clone(),
+                                                        valid[index], norms))
+                view.score[index] = 0.0
+        return evict
+
+
+def prompt_edges(pa: PromptAttention) -> dict[tuple[int, int], float]:
+    """S1's edge set from the probe's candidates: intra pairs with cosine
+    > TAU_INTRA, cross pairs with head-mean attention > TAU_CROSS; one weight
+    per unordered pair (the largest)."""
+    edges: dict[tuple[int, int], float] = {}
+    for index, weight, tau in ((pa.intra_index, pa.intra_weight, TAU_INTRA),
+                               (pa.cross_index, pa.cross_weight, TAU_CROSS)):
+        ok = (index >= 0) & (weight > tau)
+        rows, cols = ok.nonzero(as_tuple=True)
+        for i, j, w in zip(rows.tolist(), index[rows, cols].tolist(), weight[rows, cols].tolist()):
+            key = (min(i, j), max(i, j))
+            edges[key] = max(w, edges.get(key, w))
+    return edges
+
+
+def shifted(trunks: CrystalTrunks, base: int) -> CrystalTrunks:
+    """The trunk table in absolute positions (local + base)."""
+    if base:
+        trunks.trunks = [[p + base for p in g] for g in trunks.trunks]
+        trunks.impact = {p + base: m for p, m in trunks.impact.items()}
+    return trunks
+
+
+def _empty_prefill() -> PrefillResult:
+    return PrefillResult(Dissolution([], [], []), [], torch.zeros(0, dtype=torch.float64), [], {})
