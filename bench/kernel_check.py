@@ -246,8 +246,8 @@ EXTEND_CHUNKS = [512, 1024, 2048]
 EXTEND_PREFIXES = [0, 1024, 4096]
 EXTEND_WINDOW = 64  # an observation window as snapkv's
 #: (block_m, block_n, warps, stages) tried per case; the first is the kernel's default.
-EXTEND_TUNINGS = [(extend_module.BLOCK_M, extend_module.BLOCK_N, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2),
-                  (128, 32, 4, 2), (64, 32, 4, 3)]
+EXTEND_TUNINGS = [(extend_module.BLOCK_M, extend_module.BLOCK_N, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2),
+                  (64, 64, 8, 2), (64, 32, 4, 2)]
 #: Queries per attend_rows call in the reference (radix_ext/backend.py's EXTEND_QUERY_BLOCK).
 REFERENCE_QUERY_BLOCK = 256
 

@@ -42,7 +42,10 @@ from . import interpreter_compat
 
 interpreter_compat.apply()
 
-#: Query-tile rows (queries x padded query group) and keys per block on a GPU.
+#: Query-tile rows (queries x padded query group) and keys per block on a GPU,
+#: as SGLang's extend kernel on Hopper at head_dim <= 128 (128 x 64, 8 warps).
+#: Compiled for sm_90 on a CPU host (bench/kernel_compile_check.py): 209
+#: registers, no spill, 96 KB shared (K/V double-buffered). Not yet timed.
 BLOCK_M = 128
 BLOCK_N = 64
 
@@ -54,7 +57,7 @@ def _tile_rows(Pos, r, qb, T, spos_r, G: tl.constexpr, G_PAD: tl.constexpr, BLOC
     t = qb * BLOCK_Q + m // G_PAD
     g = m % G_PAD
     in_t = t < T
-    qpos = tl.load(Pos + r * spos_r + t, mask=in_t, other=-1)
+    qpos = tl.load(Pos + r * spos_r + t, mask=in_t, other=-1).to(tl.int32)  # positions < 2^31
     row_ok = (g < G) & in_t
     return t, g, row_ok, qpos
 
@@ -66,7 +69,7 @@ def _region_block(Table, Valid, Position, r, h, s, S, null_page, st_r, st_h, sva
     page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_s, other=null_page)
     off = s % PAGE
     ok = in_s & (tl.load(Valid + page * sva_p + off, mask=in_s, other=0) != 0)
-    kpos = tl.load(Position + page * spo_p + off, mask=ok, other=0)
+    kpos = tl.load(Position + page * spo_p + off, mask=ok, other=0).to(tl.int32)
     return page, off, ok, kpos
 
 
@@ -94,7 +97,7 @@ def _extend_kernel(
 ):
     """Grid (rows, kv heads, query blocks): output (and log-sum-exp) of one
     tile of BLOCK_Q queries x G query heads."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # row offsets of padded [R, T, Hq, D] buffers can pass 2^31
     h = tl.program_id(1)
     qb = tl.program_id(2)
     t, g, row_ok, qpos = _tile_rows(Pos, r, qb, T, spos_r, G, G_PAD, BLOCK_Q)
@@ -150,13 +153,13 @@ def _observe_kernel(
 ):
     """Grid (rows, kv heads, region key blocks): attention mass per slot of
     one block, summed over the observed queries and the kv head's group."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     page, off, ok, kpos = _region_block(Table, Valid, Position, r, h, s, S, null_page, st_r, st_h, sva_p, spo_p, PAGE)
     d = tl.arange(0, D)
     k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=ok[:, None], other=0.0)
-    first_pos = tl.min(tl.where(ok, kpos, 1 << 62), 0)
+    first_pos = tl.min(tl.where(ok, kpos, 2147483647), 0)
     query_end = tl.where(tl.max(ok.to(tl.int32), 0) > 0, T, 0)  # a block without valid slot reads no query
     mass = tl.zeros([BLOCK_N], tl.float32)
     for t0 in range(0, query_end, BLOCK_Q):

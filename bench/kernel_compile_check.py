@@ -1,0 +1,85 @@
+"""Compile the extend-attention kernels for a GPU target on a host without
+one, and report registers and spill stack per thread (cuobjdump, shipped
+with Triton): a GPU-only compile error or a tile that spills shows before
+any device time is spent.
+
+    python bench/kernel_compile_check.py [--arch 90]
+
+Shapes: R1-Distill-Qwen-7B (G = 7, padded to 8) and Llama-3.1-8B (G = 4),
+head_dim 128, page 16, bf16; the tile configurations bench/kernel_check.py
+sweeps."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvsieve.kernels import extend_attention as ea
+
+TUNINGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)]  # as bench/kernel_check.py
+GROUPS = {"r1-distill-qwen-7b": 7, "llama-3.1-8b": 4}
+
+
+def signature(fn, pointers: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        sig[name] = "constexpr" if name in constexprs else pointers.get(name, "fp32" if name == "scale" else "i32")
+    return sig
+
+
+#: Integer arguments that are multiples of 16 at these shapes (head_dim 128,
+#: page 16); Triton's launcher specializes them as such, like every pointer.
+ALIGNED = {"sq_r", "sq_t", "sq_h", "spk_n", "spk_h", "spv_n", "spv_h", "srk_p", "srk_o", "srv_p", "srv_o", "sva_p",
+           "spo_p", "so_r", "so_t", "so_h"}
+
+
+def source(fn, pointers: dict, constexprs: dict) -> ASTSource:
+    sig = signature(fn, pointers, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
+             if sig[name].startswith("*") or name in ALIGNED}
+    return ASTSource(fn, sig, constexprs, attrs)
+
+
+def usage(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = [line.split() for line in out.splitlines() if "REG:" in line][0]
+    return " ".join(f for f in fields if f.startswith(("REG:", "STACK:")))
+
+
+def main() -> None:
+    arch = int(sys.argv[sys.argv.index("--arch") + 1]) if "--arch" in sys.argv else 90
+    target = GPUTarget("cuda", arch, 32)
+    dt = "*bf16"
+    extend_ptrs = dict(Q=dt, Pos="*i64", PoolK=dt, PoolV=dt, PrefixSlots="*i64", PrefixLen="*i64", RegK=dt, RegV=dt,
+                       Valid="*u8", Position="*i64", Table="*i64", Out=dt, Lse="*fp32")
+    observe_ptrs = dict(Q=dt, Pos="*i64", Observe="*u8", Lse="*fp32", RegK=dt, Valid="*u8", Position="*i64",
+                        Table="*i64", Attention="*fp32")
+    for model, G in GROUPS.items():
+        g_pad = triton.next_power_of_2(G)
+        for block_m, block_n, warps, stages in TUNINGS:
+            q = max(1, block_m // g_pad)
+            options = dict(num_warps=warps, num_stages=stages)
+            ce = dict(G=G, G_PAD=g_pad, D=128, DV=128, PAGE=16, BLOCK_Q=q, BLOCK_N=block_n, STORE_LSE=True)
+            k1 = triton.compile(source(ea._extend_kernel, extend_ptrs, ce),
+                                target=target, options=options)
+            ce = dict(G=G, G_PAD=g_pad, D=128, PAGE=16, BLOCK_Q=q, BLOCK_N=block_n)
+            k2 = triton.compile(source(ea._observe_kernel, observe_ptrs, ce),
+                                target=target, options=options)
+            print(f"sm_{arch} {model} block_m {block_m} block_n {block_n} warps {warps} stages {stages}: "
+                  f"extend {usage(k1)} shared {k1.metadata.shared}; observe {usage(k2)} shared {k2.metadata.shared}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
