@@ -138,9 +138,9 @@ def collect(finished: list[tuple[object, list, int, int]]) -> list[PromptAttenti
     whose whole private prompt was probed: their summaries on the host, in
     one device-to-host transfer; the device state is dropped."""
     probes = [getattr(s, ATTRIBUTE) for s, _, _, _ in finished]
-    flat = torch.cat([torch.cat([p.saliency.double(), p.intra_index.double().flatten(), p.intra_weight.double().flatten(),
-                                 p.cross_index.double().flatten(), p.cross_weight.double().flatten()])
-                      for p in probes]).cpu()  # the one read-back, at the prompt's end
+    parts = [t.double().flatten() for p in probes
+             for t in (p.saliency, p.intra_index, p.intra_weight, p.cross_index, p.cross_weight)]
+    flat = torch.cat(parts).cpu()  # the one read-back, at the prompt's end
     out, at = [], 0
     for (request_state, ids, base, budget), p in zip(finished, probes):
         n = p.n
