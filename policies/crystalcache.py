@@ -110,6 +110,7 @@ class CrystalCachePolicy(Policy):
 
     _snap = None  # (states, device tensors) of the last first-layer snapshot, until step_inputs reads it
     _snap_states: list = []
+    heads_size = 1  # tensor-parallel ranks whose heads the snapshot holds
 
     def begin_request(self, params, num_layers, num_kv_heads) -> CrystalCacheState:
         return CrystalCacheState(params, num_layers, num_kv_heads)
@@ -235,7 +236,8 @@ class CrystalCachePolicy(Policy):
         norm = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, norms[valid])
         count = torch.bincount(pos, minlength=width)
         present = (count > 0).nonzero().flatten().tolist()
-        heads = max(self.model.num_q_heads, 1) if self.model is not None else 1
+        # The snapshot holds every rank's heads: all query heads of the model.
+        heads = max(self.model.num_q_heads * self.heads_size, 1) if self.model is not None else 1
         scale = TOP_HEADS / heads
         mass_l, norm_l, count_l = mass.tolist(), norm.tolist(), count.tolist()
         tokens = torch.cat(st.queued, dim=1).tolist() if st.queued else [[], []]
@@ -279,8 +281,12 @@ class CrystalCachePolicy(Policy):
                 keys = view.keys
                 norms = (keys[index].float().norm(dim=-1) if keys is not None
                          else torch.ones_like(view.score[index]))
-                self._snap = (list(self._snap_states), (view.position[index], view.score[index].clone(),
-                                                        valid[index], norms))
+                # Every rank's heads (tensor parallelism): the breath cycle
+                # sums them per position, and every rank must keep the same set.
+                gather, self.heads_size = batch.heads.gather, batch.heads.size
+                self._snap = (list(self._snap_states), (gather(view.position[index], 1),
+                                                        gather(view.score[index].clone(), 1),
+                                                        gather(valid[index].to(torch.int8), 1), gather(norms, 1)))
                 view.score[index] = 0.0
         return evict
 

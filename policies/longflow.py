@@ -36,7 +36,7 @@ class LongFlowPolicy(Policy):
         budget = batch.budget.amin(dim=1)  # [R]
         snap = SnapKVParams()
         window = budget.clamp(max=snap.window)
-        summed = obs.attention.sum(dim=1, keepdim=True).expand_as(obs.attention)
+        summed = batch.heads.sum(obs.attention.sum(dim=1, keepdim=True)).expand_as(obs.attention)
         kernel = torch.full_like(budget, snap.kernel)
         top_k = (budget - window).unsqueeze(1).expand_as(batch.budget)
         keep = snapkv_keep(view, summed, window, kernel, snap.kernel, top_k)
@@ -58,7 +58,7 @@ class LongFlowPolicy(Policy):
         # least one candidate whenever the layer is over its budget).
         protect = torch.minimum(batch.param("protect_recent").clamp(min=1), batch.budget.amin(dim=1)).view(-1, 1)
         protected = rank_by_position(view, newest_first=True)[:, 0] < protect  # [R, S]
-        score = obs.pv_norm.sum(dim=1)  # [R, S]
+        score = batch.heads.sum(obs.pv_norm.sum(dim=1))  # [R, S], over every rank's heads
         candidates = view.valid[:, 0] & ~protected
         victim = torch.where(candidates, score, torch.full_like(score, float("inf"))).argmin(dim=-1)  # [R]
         slots = torch.arange(score.shape[-1], device=score.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -93,6 +93,42 @@ class Observations:
         return Observations(pick(self.attention), pick(self.pv_norm), pick(self.sparsity))
 
 
+@dataclass(frozen=True)
+class HeadShards:
+    """This process's share of a layer's kv heads. Under tensor parallelism
+    each rank holds H/size of them; a decision that combines heads (a
+    layer-wide score, a per-layer sparsity, a budget moved between heads)
+    must reduce over every rank's heads, or the ranks keep different tokens.
+    The engine fills the collectives (radix_ext/head_parallel.py); with one
+    rank every method is the identity. Every rank calls them in the same
+    order with tensors of the same shape."""
+
+    size: int = 1
+    rank: int = 0
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over ranks
+    all_gather: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None  # concatenate along a dim
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks of a tensor already summed over local heads."""
+        return x if self.size == 1 else self.all_reduce(x.contiguous())
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean over the ranks of a mean over local heads (ranks hold equal head counts)."""
+        return x if self.size == 1 else self.all_reduce(x.contiguous()) / self.size
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's heads, concatenated along `dim` in rank order."""
+        return x if self.size == 1 else self.all_gather(x.contiguous(), dim)
+
+    def local(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of an all-heads tensor along `dim`."""
+        return x if self.size == 1 else x.chunk(self.size, dim=dim)[self.rank]
+
+
+#: One rank: no collectives.
+LOCAL_HEADS = HeadShards()
+
+
 @dataclass
 class PolicyBatch:
     """Per-row inputs of one batched decision, as tensors on the region's
@@ -114,6 +150,9 @@ class PolicyBatch:
     #: per-request device buffers a policy keeps, sized by max_rows.
     pool_rows: Optional[torch.Tensor] = None
     max_rows: int = 0
+    #: This rank's share of the kv heads (tensor parallelism): reduce over
+    #: it whatever a decision combines across heads.
+    heads: HeadShards = LOCAL_HEADS
 
     def param(self, name: str) -> torch.Tensor:
         return self.params[name]

@@ -216,7 +216,8 @@ class ThinKVPolicy(Policy):
                                         device=obs.sparsity.device)
         first_step = (batch.step % batch.param("refresh")) == 0  # [R]
         held = self._sparsity[batch.pool_rows, batch.layer]
-        self._sparsity[batch.pool_rows, batch.layer] = torch.where(first_step, obs.sparsity.float().mean(-1), held)
+        layer_sparsity = batch.heads.mean(obs.sparsity.float().mean(-1))  # over every rank's query heads
+        self._sparsity[batch.pool_rows, batch.layer] = torch.where(first_step, layer_sparsity, held)
 
     def _cut(self, batch, view, prefill: bool):
         inputs = batch.inputs

@@ -37,7 +37,7 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import layer0_probe, region_graphs
+from . import head_parallel, layer0_probe, region_graphs
 from .model_info import build_model_info
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
@@ -73,6 +73,7 @@ class KvsieveAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
         super().__init__()
         self.inner = _platform_backend(model_runner)
+        head_parallel.init_from_sglang()
         pool = model_runner.token_to_kv_pool
         self.token_to_kv_pool = pool
         self.num_layers = pool.layer_num
@@ -92,7 +93,9 @@ class KvsieveAttnBackend(AttentionBackend):
             raise ValueError(f"KVSIEVE_DECODE_KERNEL must be 'triton' or 'torch', not {choice!r}")
         self.use_kernel = choice == "triton"
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
-        self.graphs = RegionGraphs() if region_graphs.enabled(self.device) else None
+        #: Not under tensor parallelism: LongFlow's and ThinKV's collectives
+        #: have not been captured in a graph and checked on a multi-GPU host.
+        self.graphs = RegionGraphs() if region_graphs.enabled(self.device) and head_parallel.SHARDS.size == 1 else None
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
@@ -368,8 +371,11 @@ class KvsieveAttnBackend(AttentionBackend):
             private = req.prompt_len - req.prefix_len
             state = layer0_probe.state_of(req.state, private, pr.first, table.device)
             keys = self._flat(self.pages.k, table[pr.row:pr.row + 1])[0]  # [H, S, D]
-            layer0_probe.observe(state, q3[pr.token_start:pr.token_start + pr.count], keys,
-                                 pk[pr.row, :req.prefix_len], scale)
+            # Under tensor parallelism every rank probes every head (one index
+            # set for the request): gather queries and keys along the heads.
+            heads = head_parallel.SHARDS
+            layer0_probe.observe(state, heads.gather(q3[pr.token_start:pr.token_start + pr.count], 1),
+                                 heads.gather(keys, 0), heads.gather(pk[pr.row, :req.prefix_len], 1), scale)
             if state.done >= private:
                 ended[pr.row] = (req.state, _private_ids(req), req.prefix_len, pr.budget)
         if not ended:

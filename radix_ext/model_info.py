@@ -8,6 +8,8 @@ from typing import Optional
 
 from kvsieve.policies.base import ModelInfo
 
+from . import head_parallel
+
 logger = logging.getLogger(__name__)
 
 SENTENCE_ENDS = (".", "?", "!")
@@ -53,5 +55,7 @@ def build_model_info(model_runner, num_layers: int, num_kv_heads: int, head_dim:
     return ModelInfo(
         name=model_runner.server_args.served_model_name or model_runner.server_args.model_path,
         num_layers=num_layers, num_kv_heads=num_kv_heads,
-        num_q_heads=getattr(config, "num_attention_heads", num_kv_heads), head_dim=head_dim,
+        # This rank's query heads (tensor parallelism splits them like the kv heads).
+        num_q_heads=getattr(config, "num_attention_heads", num_kv_heads) // head_parallel.SHARDS.size,
+        head_dim=head_dim,
         delimiter_ids=delimiters, encode=encode)

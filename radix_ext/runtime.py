@@ -24,7 +24,7 @@ from kvsieve.policies.base import ModelInfo
 from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyParams, RequestState, get_policy, \
     parse_kv_policy
 
-from . import memory_split, metrics
+from . import head_parallel, memory_split, metrics
 from .pages import PageManager, RegionConfig
 
 logger = logging.getLogger(__name__)
@@ -253,10 +253,11 @@ class KVRuntime:
         if self.region is not None and req.prefix_len >= 0:
             usage = self._usage(req)
             self.finished[rid] = usage
-            metrics.EVICTED_TOKENS.labels(req.spec.name).inc(usage["evicted_tokens"])
-            metrics.EVICTION_EVENTS.labels(req.spec.name).inc(usage["eviction_events"])
-            metrics.RETAINED_TOKENS.labels(req.spec.name).dec(req.reported_tokens)
-            metrics.RETAINED_BYTES.labels(req.spec.name).dec(req.reported_bytes)
+            if head_parallel.reports_usage():  # token counts once, not once per TP rank
+                metrics.EVICTED_TOKENS.labels(req.spec.name).inc(usage["evicted_tokens"])
+                metrics.EVICTION_EVENTS.labels(req.spec.name).inc(usage["eviction_events"])
+                metrics.RETAINED_TOKENS.labels(req.spec.name).dec(req.reported_tokens)
+            metrics.RETAINED_BYTES.labels(req.spec.name).dec(req.reported_bytes)  # each rank its own bytes
         if self.region is not None:
             self.region.free(rid)
             self._record_pages()
@@ -291,7 +292,8 @@ class KVRuntime:
             "retained_tokens": held // cfg.heads + kept_prompt,
             "evicted_tokens": evicted // cfg.heads,
             "eviction_events": events,
-            "retained_kv_bytes": held * cfg.bytes_per_page // cfg.page_size,
+            # This rank's heads' bytes times the ranks (equal head counts each).
+            "retained_kv_bytes": head_parallel.total_bytes(held * cfg.bytes_per_page // cfg.page_size),
         }
 
     def after_step(self, force: bool = False) -> None:
@@ -311,7 +313,8 @@ class KVRuntime:
             if overflowed:
                 self.overflow(req)
             tokens, size = held // cfg.heads, held * cfg.bytes_per_page // cfg.page_size
-            metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
+            if head_parallel.reports_usage():
+                metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
             metrics.RETAINED_BYTES.labels(req.spec.name).inc(size - req.reported_bytes)
             req.reported_tokens, req.reported_bytes = tokens, size
 

@@ -28,6 +28,7 @@ from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
 
+from . import head_parallel
 from .head_pages import plan_head_pages
 from .runtime import RUNTIME, CompressedRequest
 
@@ -58,7 +59,8 @@ class PolicyGroup:
         else:
             budget = self.budget.unsqueeze(1).expand(-1, num_kv_heads)
         return PolicyBatch(layer=layer, budget=budget, step=self.step, params=self.params, maxima=self.maxima,
-                           inputs=self.inputs, pool_rows=self.pool_rows, max_rows=self.max_rows)
+                           inputs=self.inputs, pool_rows=self.pool_rows, max_rows=self.max_rows,
+                           heads=head_parallel.SHARDS)
 
 
 @dataclass

@@ -20,6 +20,7 @@ _SERVE_FLAGS = {
     "max_running_requests": ("engine", "max_running_requests"),
     "max_queued_requests": ("engine", "max_queued_requests"),
     "chunked_prefill_size": ("engine", "chunked_prefill_size"),
+    "tp_size": ("engine", "tp_size"),
     "presets": ("engine", "presets_file"),
     "policy_module": ("engine", "policy_modules"),
     "host": ("server", "host"),
@@ -46,6 +47,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-queued-requests", type=int,
                    help="requests waiting past this many get 503 + Retry-After (default: no limit)")
     p.add_argument("--chunked-prefill-size", type=int, help="SGLang's prefill chunk, in tokens")
+    p.add_argument("--tp-size", type=int, help="tensor-parallel ranks of the engine (default 1); on CPU each "
+                   "rank gets an equal share of the cores")
     p.add_argument("--presets", help="JSON file of named kv_policy presets (beside the store's)")
     p.add_argument("--policy-module", action="append", metavar="MODULE",
                    help="import MODULE to register more policies (@register_policy); repeatable")
@@ -122,6 +125,7 @@ def _serve(args) -> int:
     args.context_length, args.max_total_tokens = e.context_length, e.max_total_tokens
     args.max_running_requests, args.max_queued_requests = e.max_running_requests, e.max_queued_requests
     args.chunked_prefill_size, args.presets, args.policy_module = e.chunked_prefill_size, e.presets_file, e.policy_modules
+    args.tp_size = e.tp_size
     args.host, args.port, args.log_level = s.host, s.port, s.log_level
     serve(args)
     return 0

@@ -38,6 +38,7 @@ class EngineConfig(_Section):
     max_running_requests: Optional[int] = Field(None, gt=0)
     max_queued_requests: Optional[int] = Field(None, gt=0)
     chunked_prefill_size: Optional[int] = Field(None, gt=0)
+    tp_size: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (kv heads split between them)")
     presets_file: Optional[str] = Field(None, description="JSON file of kv_policy presets (read-only, beside the store's)")
     policy_modules: list[str] = Field(default_factory=list)
 

@@ -26,6 +26,7 @@ class EngineSettings:
     dtype: str = "auto"
     random_seed: int = 0
     log_level: str = "warning"
+    tp_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -44,6 +45,8 @@ class EngineSettings:
             kwargs.update(device="cpu", attention_backend="kvsieve", disable_cuda_graph=True)
         else:
             kwargs.update(device="cuda", attention_backend="kvsieve")
+        if self.tp_size > 1:
+            kwargs["tp_size"] = self.tp_size
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests"):
             value = getattr(self, name)
             if value is not None:
@@ -52,10 +55,12 @@ class EngineSettings:
         return kwargs
 
 
-def prepare_process_environment(device: str) -> None:
+def prepare_process_environment(device: str, tp_size: int = 1) -> None:
     """Environment SGLang reads at import time; call before importing sglang."""
     if device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        if tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp_size)
     # SGLang's metrics live in prometheus_client's multiprocess mode (the
     # scheduler is another process); it must be set before prometheus_client
     # is first imported in this process.
@@ -63,6 +68,20 @@ def prepare_process_environment(device: str) -> None:
         import tempfile
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvsieve-prom-")
+
+
+def cpu_thread_binding(cores: list[int], tp_size: int) -> str:
+    """SGLang's per-rank core lists ("0-3|4-7"): equal shares of this
+    process's cores, in order (SGLang's own default wants one NUMA node per
+    rank, which a laptop does not have)."""
+    if tp_size > len(cores):
+        raise ValueError(f"tp_size={tp_size}: more CPU ranks than the {len(cores)} cores this process may use")
+    share = len(cores) // tp_size
+    ranks = [cores[r * share:(r + 1) * share] for r in range(tp_size)]
+    def cpulist(rank: list[int]) -> str:
+        contiguous = rank[-1] - rank[0] == len(rank) - 1
+        return f"{rank[0]}-{rank[-1]}" if contiguous and len(rank) > 1 else ",".join(map(str, rank))
+    return "|".join(cpulist(rank) for rank in ranks)
 
 
 class EngineClient:

@@ -41,7 +41,7 @@ def _graceful_server_class():
 def serve(args) -> None:
     from .engine import prepare_process_environment
 
-    prepare_process_environment(args.device)
+    prepare_process_environment(args.device, args.tp_size)
     if args.policy_module:
         # In the environment, so SGLang's scheduler process imports them too.
         from kvsieve.policies import POLICY_MODULES_ENV, load_policy_modules
@@ -80,6 +80,7 @@ def serve(args) -> None:
         max_queued_requests=args.max_queued_requests,
         dtype=args.dtype,
         log_level=args.log_level,
+        tp_size=args.tp_size,
         extra={"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {},
     ))
     logger.warning("engine up in %.1f s: %s (context %d)", time.monotonic() - started, model_name, engine.context_length)

@@ -46,7 +46,7 @@ class EngineReplica:
 
         from kvsieve.service.engine import EngineClient, EngineSettings, prepare_process_environment
 
-        prepare_process_environment(cfg.device)
+        prepare_process_environment(cfg.device, cfg.tp_size)
         if cfg.policy_modules:
             from kvsieve.policies import POLICY_MODULES_ENV, load_policy_modules
 
@@ -67,6 +67,7 @@ class EngineReplica:
                 max_running_requests=cfg.max_running_requests,
                 max_queued_requests=cfg.max_queued_requests,
                 dtype=cfg.dtype,
+                tp_size=cfg.tp_size,
                 extra={"chunked_prefill_size": cfg.chunked_prefill_size} if cfg.chunked_prefill_size else {},
             ))
         finally:
