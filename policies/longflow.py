@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams
-from .observations import Need, rank_by_position
+from .observations import Need, newest_mask
 from .registry import register_policy
 from .snapkv import SnapKVParams, snapkv_keep
 
@@ -57,7 +57,8 @@ class LongFlowPolicy(Policy):
         # The newest token is always protected; never all held tokens (at
         # least one candidate whenever the layer is over its budget).
         protect = torch.minimum(batch.param("protect_recent").clamp(min=1), batch.budget.amin(dim=1)).view(-1, 1)
-        protected = rank_by_position(view, newest_first=True)[:, 0] < protect  # [R, S]
+        protected = newest_mask(view.valid[:, 0], view.position[:, 0], protect.view(-1),
+                                max(1, batch.max_param("protect_recent")))  # [R, S]
         score = batch.heads.sum(obs.pv_norm.sum(dim=1))  # [R, S], over every rank's heads
         candidates = view.valid[:, 0] & ~protected
         victim = torch.where(candidates, score, torch.full_like(score, float("inf"))).argmin(dim=-1)  # [R]

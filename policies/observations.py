@@ -181,6 +181,32 @@ def rank_by_position(view: SlotView, newest_first: bool) -> torch.Tensor:
     return ranks_of(key, descending=False)
 
 
+#: Up to this many newest slots are found by a top-k over positions rather
+#: than by ranking every slot (a full sort per (row, head) and layer: on an
+#: H100 at 512 rows x 1K slots the sorts were 9 ms of a 64 ms step).
+SMALL_K = 64
+
+
+def newest_mask(valid: torch.Tensor, position: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Valid slots among the k newest by position of their (row, head):
+    rank_by_position(newest_first=True) < k on valid slots. valid/position
+    [..., S]; k broadcastable to valid.shape[:-1]; k_max (host) bounds k.
+    Positions of valid slots are distinct within a (row, head), so the
+    result does not depend on tie order."""
+    k = k.expand(valid.shape[:-1])
+    key = torch.where(valid, position, torch.full_like(position, -1))
+    if k_max <= 0:
+        return torch.zeros_like(valid)
+    if k_max == 1:
+        return valid & (key == key.amax(dim=-1, keepdim=True)) & (k >= 1).unsqueeze(-1)
+    if k_max > SMALL_K or k_max >= valid.shape[-1]:
+        return valid & (ranks_of(torch.where(valid, -position, torch.full_like(position, 1 << 60)),
+                                 descending=False) < k.unsqueeze(-1))
+    top = key.topk(k_max, dim=-1).indices  # newest first
+    chosen = torch.arange(k_max, device=valid.device) < k.unsqueeze(-1)
+    return torch.zeros_like(valid).scatter_(-1, top, chosen) & valid
+
+
 def ranks_of(key: torch.Tensor, descending: bool) -> torch.Tensor:
     """Rank of each entry along the last dim (stable: ties by lower index)."""
     order = key.argsort(dim=-1, descending=descending, stable=True)

@@ -43,4 +43,16 @@ class StreamingPolicy(Policy):
         return self._evict(batch, view)
 
     def select_decode(self, batch, view, obs):
-        return self._evict(batch, view)
+        # Between steps a streaming row holds its first `sinks` private
+        # tokens and an unbroken window of the newest (it only ever evicts
+        # the oldest token after the sinks), so a slot's rank by position is
+        # its distance from the oldest or newest held position: two
+        # reductions instead of two sorts over every slot per layer.
+        budget = batch.budget  # [R, H]
+        sinks = torch.minimum(batch.param("sinks").view(-1, 1), (budget - 1).clamp(min=0))
+        far = torch.iinfo(torch.int64).max // 4
+        oldest = torch.where(view.valid, view.position, torch.full_like(view.position, far)).amin(dim=-1)
+        newest = torch.where(view.valid, view.position, torch.full_like(view.position, -1)).amax(dim=-1)
+        keep = (view.position < (oldest + sinks).unsqueeze(-1)) | \
+               (view.position > (newest - (budget - sinks)).unsqueeze(-1))
+        return view.valid & ~keep

@@ -278,22 +278,38 @@ class KvsieveAttnBackend(AttentionBackend):
         p = self.pages
         H = table.shape[1]
         evict = torch.zeros_like(view.valid)
+        rows = view.valid.shape[0]
         for group in groups:  # one per policy class present, not per row
             g = group.rows
+            # Every row in one policy (members ascend): the view as it is, no
+            # gathers of the group's rows and no scatters back.
+            whole = len(group.members) == rows
             # Keys only for policies that read them (Need.KEYS): a gather per call.
             wants_keys = group.policy.needs & Need.KEYS or (layer.layer_id == 0
                                                             and group.policy.needs & Need.LAYER0_KEYS)
-            keys = view.keys[g] if view.keys is not None and wants_keys else None
-            sub = SlotView(valid=view.valid[g], position=view.position[g], score=view.score[g],
-                           last_hit=view.last_hit[g], keys=keys)
+            keys = None
+            if view.keys is not None and wants_keys:
+                keys = view.keys if whole else view.keys[g]
+            if whole:
+                sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
+                               keys=keys)
+            else:
+                sub = SlotView(valid=view.valid[g], position=view.position[g], score=view.score[g],
+                               last_hit=view.last_hit[g], keys=keys)
             batch = group.batch(layer.layer_id, H)
             decide = group.policy.select_prefill if prefill else group.policy.select_decode
-            chosen = decide(batch, sub, obs.rows(g))
+            chosen = decide(batch, sub, obs if whole else obs.rows(g))
             if group.policy.keeps_slot_state:
-                view.score[g] = sub.score
-                view.last_hit[g] = sub.last_hit
+                if whole:
+                    view.score, view.last_hit = sub.score, sub.last_hit
+                else:
+                    view.score[g] = sub.score
+                    view.last_hit[g] = sub.last_hit
             if chosen is not None:
-                evict[g] = chosen
+                if whole:
+                    evict = evict | chosen
+                else:
+                    evict[g] = chosen
         evict &= view.valid
         shape = (*table.shape, p.config.page_size)
         if keeps_state:

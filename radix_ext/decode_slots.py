@@ -67,7 +67,8 @@ def alloc_for_decode_skipping_compressed(original, batch, token_per_req: int):
     if not compressed or token_per_req != 1 or _alloc_page_size(batch) != 1 \
             or batch.model_config.is_encoder_decoder:
         return original(batch, token_per_req)
-    full = [i for i in range(len(batch.reqs)) if i not in set(compressed)]
+    skipped = set(compressed)
+    full = [i for i in range(len(batch.reqs)) if i not in skipped]
     out_cache_loc = torch.zeros(len(batch.reqs), dtype=torch.int64, device=batch.seq_lens.device)
     if full:
         rows = torch.tensor(full, dtype=torch.int64, device=batch.seq_lens.device)

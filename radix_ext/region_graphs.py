@@ -79,7 +79,6 @@ class _Captured:
     v: Optional[torch.Tensor] = None
     o: Optional[torch.Tensor] = None
     graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
-    pool: object = None  # the graphs' shared memory pool
 
 
 class RegionGraphs:
@@ -90,6 +89,12 @@ class RegionGraphs:
         self.last_key: Optional[tuple] = None
         self.captures = 0
         self.replays = 0
+        # One memory pool for every captured shape: graphs replay one at a
+        # time and their outputs are copied out right after, so a shape's
+        # temporaries may reuse another's. A pool per shape held the sum of
+        # up to MAX_SHAPES passes' temporaries (skipkv at 512 rows ran out of
+        # memory on an H100); a shared pool holds about the largest.
+        self.pool = None
 
     def begin_step(self, step, needs_keys: bool) -> None:
         """Before the forward: pick (or make) the captured entry of this
@@ -160,13 +165,13 @@ class RegionGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                graph.capture_begin(pool=entry.pool)
+                graph.capture_begin(pool=self.pool)
                 try:
                     run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
                 finally:
                     graph.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
-            entry.pool = entry.pool or graph.pool()
+            self.pool = self.pool or graph.pool()
             entry.graphs[layer.layer_id] = graph
             self.captures += 1
         else:

@@ -204,3 +204,37 @@ def test_compress_prompt_defaults_per_policy():
     assert not parse_kv_policy({"name": "h2o"}).prompt_compressed
     assert not parse_kv_policy({"name": "streaming"}).prompt_compressed
     assert parse_kv_policy({"name": "h2o", "compress_prompt": True}).prompt_compressed
+
+
+def test_streaming_decode_after_a_prompt_cut_matches_reference():
+    # The decode step reads ranks off the held extremes (sinks + an unbroken
+    # window); a prompt cut at prefill must leave exactly that shape.
+    cases = [(8, 4), (6, 1), (12, 0)]
+    policy, batch = batch_of("streaming", [{"sinks": s} for _, s in cases], [b for b, _ in cases])
+    view = empty_view(len(cases))
+    for pos in range(30):
+        store(view, pos)
+    apply(view, policy.select_prefill(batch, view, Observations()))
+    for pos in range(30, 45):
+        store(view, pos)
+        apply(view, policy.select_decode(batch, view, Observations()))
+        for r, (budget, sinks) in enumerate(cases):
+            expected = ref.streaming_keep(list(range(pos + 1)), budget, sinks)
+            for h in range(H):
+                assert held_positions(view, r, h) == expected, (pos, r, h)
+
+
+@pytest.mark.parametrize("k_max", [0, 1, 3, 40, 100])
+def test_newest_mask_equals_ranking_every_slot(k_max):
+    from kvsieve.policies.observations import newest_mask, rank_by_position
+
+    gen = torch.Generator().manual_seed(k_max)
+    rows, slots = 5, 48
+    valid = torch.rand(rows, H, slots, generator=gen) < 0.6
+    position = torch.stack([torch.randperm(500, generator=gen)[:slots] for _ in range(rows * H)]).view(rows, H, slots)
+    position = torch.where(valid, position, -1)
+    k = torch.randint(0, k_max + 1, (rows, H), generator=gen)
+    view = SlotView(valid=valid, position=position, score=torch.zeros(rows, H, slots),
+                    last_hit=torch.zeros(rows, H, slots, dtype=torch.int32))
+    expected = valid & (rank_by_position(view, newest_first=True) < k.unsqueeze(-1))
+    assert torch.equal(newest_mask(valid, position, k, k_max), expected)
