@@ -68,8 +68,10 @@ class SlotView:
 
     valid: torch.Tensor  # [R, H, S] bool
     position: torch.Tensor  # [R, H, S] int64, token position (-1: free)
-    score: torch.Tensor  # [R, H, S] float32
-    last_hit: torch.Tensor  # [R, H, S] int32
+    #: [R, H, S] float32 and int32; None for a policy without keeps_slot_state
+    #: (the backend then does not gather them).
+    score: Optional[torch.Tensor]
+    last_hit: Optional[torch.Tensor]
     #: [R, H, S, D] post-RoPE keys, given only to policies that need Need.KEYS.
     keys: Optional[torch.Tensor] = None
 

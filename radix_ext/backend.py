@@ -219,12 +219,15 @@ class KvsieveAttnBackend(AttentionBackend):
         R, H, M = table.shape
         return buffer[table].reshape(R, H, M * self.pages.config.page_size, *buffer.shape[2:])
 
-    def _view(self, table, keys: bool) -> SlotView:
+    def _view(self, table, keys: bool, state: bool = True) -> SlotView:
         """The policies' view of the slots of page-table rows `table`; the
-        keys (a gather of every slot's K) only when a policy reads them."""
+        keys (a gather of every slot's K) only when a policy reads them, the
+        slot state (score, last_hit) only when one keeps it (two [R, H, S]
+        gathers per layer that streaming, snapkv or longflow never read)."""
         p = self.pages
         return SlotView(valid=self._flat(p.valid, table), position=self._flat(p.position, table),
-                        score=self._flat(p.score, table), last_hit=self._flat(p.last_hit, table),
+                        score=self._flat(p.score, table) if state else None,
+                        last_hit=self._flat(p.last_hit, table) if state else None,
                         keys=self._flat(p.k, table) if keys else None)
 
     def _slots(self, table):
@@ -262,7 +265,8 @@ class KvsieveAttnBackend(AttentionBackend):
                                         p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm)
             o3[idx] = out.to(o3.dtype)
             view = self._view(table, keys=bool(rows.needs & Need.KEYS)
-                              or (layer.layer_id == 0 and bool(rows.needs & Need.LAYER0_KEYS)))
+                              or (layer.layer_id == 0 and bool(rows.needs & Need.LAYER0_KEYS)),
+                              state=rows.keeps_state)
         else:
             rk, rv, view = self._slots(table)
             pk, pv = self._prefix_kv(layer, rows)
@@ -294,8 +298,10 @@ class KvsieveAttnBackend(AttentionBackend):
                 sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
                                keys=keys)
             else:
-                sub = SlotView(valid=view.valid[g], position=view.position[g], score=view.score[g],
-                               last_hit=view.last_hit[g], keys=keys)
+                state = view.score is not None and group.policy.keeps_slot_state
+                sub = SlotView(valid=view.valid[g], position=view.position[g],
+                               score=view.score[g] if state else None,
+                               last_hit=view.last_hit[g] if state else None, keys=keys)
             batch = group.batch(layer.layer_id, H)
             decide = group.policy.select_prefill if prefill else group.policy.select_decode
             chosen = decide(batch, sub, obs if whole else obs.rows(g))

@@ -33,6 +33,11 @@ import torch
 from kvsieve.policies.observations import to_device
 
 
+#: Table rows counted per gather in held_tokens_of_rows (bounds its temporary:
+#: rows x layers x heads x columns x page_size bools).
+ROWS_PER_COUNT = 128
+
+
 class RegionFull(RuntimeError):
     """No free page: admission should have prevented this."""
 
@@ -137,6 +142,15 @@ class PageManager:
             real = to_device(pages[pages != self.null_page], torch.int64, self.valid.device)
             counts.append(self.valid[real].sum())
         return torch.stack(counts).tolist() if counts else []
+
+    def held_tokens_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Valid slots of each page-table row in `rows` (a device tensor),
+        summed over (layer, head), as a device tensor: no sync, so the caller
+        can copy it back asynchronously. Flushes first, so the table holds
+        every host decision (the backend flushes at this point of a step anyway)."""
+        self.flush()
+        counts = [self.valid[self.table[chunk]].sum(dim=(1, 2, 3, 4)) for chunk in rows.split(ROWS_PER_COUNT)]
+        return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64, device=self.valid.device)
 
     def can_allocate(self, pages_per_head: int) -> bool:
         return pages_per_head * self.config.heads <= len(self._free)

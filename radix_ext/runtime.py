@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from kvsieve.policies.base import ModelInfo
+from kvsieve.policies.observations import to_device
 from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyParams, RequestState, get_policy, \
     parse_kv_policy
 
@@ -116,6 +117,8 @@ class KVRuntime:
         self.counters: Optional[torch.Tensor] = None
         self.overflow_flags: Optional[torch.Tensor] = None
         self._last_refresh = 0.0
+        #: after_step's counts in flight: (requests, [2, n] held/overflow, copy event or None).
+        self._snapshot: Optional[tuple] = None
 
     @property
     def reserved_pages(self) -> int:
@@ -298,18 +301,51 @@ class KVRuntime:
 
     def after_step(self, force: bool = False) -> None:
         """Host side, before a step's metadata: at most once a second, end
-        requests that overflowed and refresh the retained-KV gauges."""
+        requests that overflowed and refresh the retained-KV gauges.
+
+        The counts are taken on the device and copied back asynchronously; a
+        later step applies them once they have arrived, so the host never
+        waits for the GPU here (a wait would stall the overlap scheduler).
+        `force` waits for them (tests, shutdown)."""
+        if self.region is None:
+            return
+        self._apply_snapshot(wait=force)
         now = time.monotonic()
-        if self.region is None or (not force and now - self._last_refresh < REFRESH_INTERVAL_S):
+        if self._snapshot is not None or (not force and now - self._last_refresh < REFRESH_INTERVAL_S):
             return
         self._last_refresh = now
         live = [r for r in self.requests.values() if self.region.row_of(r.rid) >= 0 and not r.overflowed]
         if not live:
             return
-        rows = torch.tensor([self.region.row_of(r.rid) for r in live], device=self.overflow_flags.device)
-        flags = self.overflow_flags[rows].tolist()
+        device = self.overflow_flags.device
+        rows = to_device([self.region.row_of(r.rid) for r in live], torch.int64, device)
+        counts = torch.stack([self.region.held_tokens_of_rows(rows), self.overflow_flags[rows].long()])
+        event = None
+        if counts.is_cuda:
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            counts = host
+        self._snapshot = (live, counts, event)
+        if force or event is None:
+            self._apply_snapshot(wait=True)
+
+    def _apply_snapshot(self, wait: bool) -> None:
+        """Apply the counts after_step took, once the copy has landed."""
+        if self._snapshot is None:
+            return
+        live, counts, event = self._snapshot
+        if event is not None:
+            if not wait and not event.query():
+                return
+            event.synchronize()
+        self._snapshot = None
         cfg = self.region.config
-        for req, held, overflowed in zip(live, self.region.held_tokens([r.rid for r in live]), flags):
+        held_per_request, flags = counts.tolist()
+        for req, held, overflowed in zip(live, held_per_request, flags):
+            if self.requests.get(req.rid) is not req or req.overflowed:
+                continue  # ended or failed since the counts were taken: end() settled its gauges
             if overflowed:
                 self.overflow(req)
             tokens, size = held // cfg.heads, held * cfg.bytes_per_page // cfg.page_size

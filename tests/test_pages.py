@@ -58,6 +58,28 @@ def test_a_freed_row_rebound_in_the_same_step_keeps_the_new_pages():
     assert torch.equal(m.table[0, :, :, :1], m._owned["b"].pages)
 
 
+def test_held_tokens_of_rows_counts_through_the_device_table_as_held_tokens_does():
+    m = manager(pages=80, rows=8)
+    m.allocate("a", 2)
+    m.allocate("b", 3)
+    m.allocate("c", 1)
+    m.bind("a", 5)
+    m.bind("b", 1)
+    m.flush()
+    a, b = m._owned["a"].pages, m._owned["b"].pages
+    m.valid[a[0, 0, 0], :3] = True
+    m.valid[a[1, 1, 1], :] = True
+    m.valid[b[0, 1, 2], 1] = True
+    # A pending bind (not yet flushed) is counted too: the count flushes first.
+    m.bind("c", 2)
+    rows = torch.tensor([5, 1, 2])
+    assert m.held_tokens_of_rows(rows).tolist() == m.held_tokens(["a", "b", "c"]) == [3 + P, 1, 0]
+    # Trimmed columns stop counting once shrunk (null entries at the flush).
+    m.shrink("a", 1)
+    assert m.held_tokens_of_rows(torch.tensor([5])).tolist() == [3]
+    assert m.held_tokens_of_rows(torch.zeros(0, dtype=torch.int64)).tolist() == []
+
+
 def test_shrink_frees_the_trailing_columns():
     m = manager()
     m.allocate("a", 4)
