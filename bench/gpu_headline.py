@@ -209,9 +209,10 @@ def main() -> None:
     path = os.path.join(out_dir, "gpu-headline.json")
     if os.path.exists(path):  # a later part of the same round adds to the earlier one
         previous = json.load(open(path))
-        for key in ("machine", "vanilla", "kvsieve", "full_check"):
+        for key in ("machine", "vanilla", "kvsieve", "full_check", "full_check_runs"):
             if previous.get(key):
                 results[key] = previous[key]
+        results["commands"] = previous.get("commands", [previous.get("command")]) + [results["command"]]
 
     def save():
         with open(path, "w") as f:
@@ -278,6 +279,8 @@ def main() -> None:
             results["full_check"]["kvsieve_full"] = entry
             if "vanilla" in results["full_check"] and "tokens_per_s" in entry:
                 entry["vs_vanilla"] = round(entry["tokens_per_s"] / results["full_check"]["vanilla"]["tokens_per_s"], 3)
+            # Every round's check is kept: one 2-second window is noisy.
+            results.setdefault("full_check_runs", []).append({**entry, "date": results["date"]})
             print("check full", json.dumps(entry), flush=True)
             save()
             for budget in cfg["budgets"]:
