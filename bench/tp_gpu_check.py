@@ -38,6 +38,16 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+# SGLang's fused CUDA ops (sgl_kernel's rmsnorm among them) do not dispatch
+# fp32, and the servers here run fp32 (see above). Every process of a server
+# imports this script (the serve child runs it; SGLang's spawned ranks import
+# it as __mp_main__), so with this variable set every platform op takes its
+# PyTorch-native path, which takes any dtype.
+if os.environ.get("KVSIEVE_TP_NATIVE_OPS") == "1":
+    from sglang.srt.layers.utils.multi_platform import MultiPlatformOp
+
+    MultiPlatformOp.dispatch_forward = lambda self: self.forward_native
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL_ROOT = Path("/tmp/kvsieve-tp-models")
 MAX_TOTAL_TOKENS = 4096
@@ -165,7 +175,8 @@ class Server:
                "--model", str(model), "--device", device, "--dtype", "float32", "--tp-size", str(tp),
                "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--port", str(self.port), "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                          "KVSIEVE_TP_NATIVE_OPS": "1" if device == "cuda" else "0"})
 
     def wait_up(self, timeout: float = 600) -> None:
         import httpx
