@@ -146,3 +146,25 @@ def test_step_inputs_reach_the_decisions_with_per_layer_head_budgets(runtime, pe
     assert batch.budget.tolist() == [[18, 19]]  # 8 + 10 * layer + head
     assert batch.pool_rows.tolist() == [3] and batch.max_rows == 8
     assert batch.inputs is group.inputs
+
+
+def test_after_step_counts_retained_tokens_and_ends_overflowed_requests(runtime):
+    a = admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3)
+    b = admit("b", {"name": "streaming", "budget": 6}, prompt_len=7, row=5)
+    a.prefix_len, b.prefix_len = 5, 7
+    runtime.build(decode_batch(["a", "b"], [3, 5], [6, 8]))  # binds both rows, flushes the table
+    region = RUNTIME.region
+    pages_a = region._owned["a"].pages
+    region.valid[pages_a[0, 0, 0], :3] = True  # 3 slots in one (layer, head), P in another
+    region.valid[pages_a[1, 1, 0], :] = True
+    RUNTIME.overflow_flags[5] = True  # b found no free slot in some step
+    RUNTIME.after_step(force=True)
+    assert a.reported_tokens == (3 + P) // (L * H) and not a.overflowed
+    assert a.reported_bytes == (3 + P) * region.config.bytes_per_page // P
+    assert b.overflowed and b.sgl_req.to_finish is not None  # ended with a 503, a untouched
+    # Counts taken before a request ended are dropped for it: end() settled its gauges.
+    reported = a.reported_tokens
+    RUNTIME._snapshot = ([a], torch.tensor([[10 * L * H], [0]]), None)
+    RUNTIME.requests.pop("a")
+    RUNTIME.after_step()
+    assert a.reported_tokens == reported and RUNTIME._snapshot is None
