@@ -1,7 +1,8 @@
 """The end-to-end headline (issue #8 item 5) in one device call:
 
-    python bench/gpu_headline.py MODEL_DIR OUT_DIR [--generate 8192,16384,32768] [--budgets 1024]
-        [--policies streaming,longflow,skipkv] [--kv-tokens 786432] [--max-running 512] [--tail 192]
+    python bench/gpu_headline.py MODEL_DIR OUT_DIR [--generate 8192,16384,32768] [--budgets 1024,2048]
+        [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]
+        [--kv-tokens 786432] [--max-running 512] [--tail 192]
         [--parts machine,vanilla,kvsieve] [--check-prompt 2048]
 
 R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
@@ -34,6 +35,12 @@ the step's weight GEMMs at the measured bf16 GEMM time for that batch
 (28 layers of qkv/o/gate_up/down + lm_head, timed on this GPU) plus the
 step's KV bytes at the measured copy bandwidth. Writes
 OUT_DIR/gpu-headline.json after every run.
+
+With the defaults, one command runs the whole benchmark (about 25 minutes
+on an H100). Under the device tool's 10-minute calls, run it in parts
+(`--parts`, `--policies`, `--budgets`) into the same OUT_DIR: each part adds
+to the JSON and records its command (`commands`); docs/gpu-kernels.md lists
+the parts of the committed run.
 """
 
 from __future__ import annotations
@@ -54,11 +61,16 @@ CHECK_TAIL = 192  # tokens each request of the `full` check decodes (the same fo
 POOL_SHARE = 0.15  # of the KV memory given to kvsieve's token pool (prompts, `full`); the rest is the region
 
 
+#: The served policies that evict while decoding (snapkv compresses the prompt
+#: only: past its budget it never reaches a steady window; `full` is the check).
+DECODE_POLICIES = "streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache"
+
+
 def options() -> dict:
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
     ints = lambda key, default: [int(x) for x in opts.get(key, default).split(",")]  # noqa: E731
-    return {"generate": ints("--generate", "8192,16384,32768"), "budgets": ints("--budgets", "1024"),
-            "policies": opts.get("--policies", "streaming,longflow,skipkv").split(","),
+    return {"generate": ints("--generate", "8192,16384,32768"), "budgets": ints("--budgets", "1024,2048"),
+            "policies": opts.get("--policies", DECODE_POLICIES).split(","),
             "kv_tokens": int(opts.get("--kv-tokens", 786432)), "max_running": int(opts.get("--max-running", 512)),
             "tail": int(opts.get("--tail", 192)), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
 
