@@ -26,6 +26,13 @@ from .observations import ranks_of
 
 _BIG = 1 << 40  # segment stride in sort keys (positions stay far below it)
 _LAST = torch.iinfo(torch.int64).max
+#: Medoid ties: members whose distance to their centroid is within this share
+#: of (best distance + |centroid|^2) of the cluster's best are tied. A
+#: two-member cluster's centroid is their midpoint, equidistant from both in
+#: exact arithmetic: float32 rounding alone (relative 1e-7) picked one, so any
+#: ulp of noise in the keys (a batched GEMM's order, TP's all-reduce) moved
+#: the kept token. 100x that rounding, far below real distance gaps.
+_TIE = 1e-5
 
 
 def segment_index(position: torch.Tensor, gen_start: torch.Tensor, refresh: torch.Tensor,
@@ -82,14 +89,17 @@ def kmeans_medoids(keys: torch.Tensor, member: torch.Tensor, active: torch.Tenso
         # An empty cluster keeps its centroid (and gets no medoid, see below).
         moved = torch.where(counts > 0, sums / counts.clamp(min=1), c)
         c = torch.where(i < row_iters, moved, c)
-    # A medoid is the member nearest its own cluster's centroid (ties: the
-    # lower index), so no two clusters share one. Members that no centroid
-    # could take (their segment keeps none) go to a spill bucket T.
+    # A medoid is the member nearest its own cluster's centroid (ties, up to
+    # float rounding (_TIE): the lower index), so no two clusters share one.
+    # Members that no centroid could take (their segment keeps none) go to a
+    # spill bucket T.
     owner = torch.where(m & a.any(-1, keepdim=True), assign(c), T)  # [B, N]
     own = c.gather(1, owner.clamp(max=T - 1).unsqueeze(-1).expand(B, N, D))
     d = torch.where(owner < T, ((k - own) ** 2).sum(-1), inf)
     best = torch.full((B, T + 1), float("inf"), device=k.device).scatter_reduce(1, owner, d, "amin")
-    index = torch.where((owner < T) & (d == best.gather(1, owner)), torch.arange(N, device=k.device), N)
+    best = best.gather(1, owner)
+    tied = d <= best + _TIE * (best + (own * own).sum(-1))
+    index = torch.where((owner < T) & tied, torch.arange(N, device=k.device), N)
     nearest = torch.full((B, T + 1), N, device=k.device).scatter_reduce(1, owner, index, "amin")[:, :T]
     return nearest.clamp(max=N - 1).view(R, H, Kc, T), (nearest < N).view(R, H, Kc, T)
 

@@ -13,7 +13,7 @@ from kvsieve.policies import Observations, PolicyBatch, SlotView, get_policy
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.thinkv_calibration import Calibration, calibrate, density_of
 from kvsieve.policies.thinkv_segments import SegmentBook, Thought, classify
-from kvsieve.policies.thinkv_select import tbe_evict
+from kvsieve.policies.thinkv_select import kmeans_medoids, tbe_evict
 
 R_, E_, T_ = Thought.REASONING, Thought.EXECUTION, Thought.TRANSITION
 
@@ -154,6 +154,36 @@ def test_kmeans_keeps_the_token_nearest_each_cluster_centre():
     evict = tbe_evict(two(valid), two(position), keys2, two(seg), two(current), **cut)
     assert two(position)[0, 1][evict[0, 1]].tolist() == [1, 2, 4, 5]  # (5,5) at 0 and (0,0) at 3
 
+
+
+def test_kmeans_cut_does_not_follow_float_noise_in_the_keys():
+    # A two-member cluster's centroid is their midpoint: both are its nearest
+    # member in exact arithmetic, and float32 rounding used to pick one, so a
+    # ulp of noise in the keys (the K projection of a different batch, TP's
+    # all-reduce) moved the kept token: greedy output depended on the batch
+    # and on TP. Ties up to rounding keep the older member. Segment 0: 10
+    # tokens cut to 7 (plus the current token, position 10), 2 heads.
+    gen = torch.Generator().manual_seed(0)
+    n, t, S = 10, 7, 12
+    position = torch.cat([torch.arange(n + 1), torch.tensor([-1])]).view(1, 1, S).expand(1, 2, S)
+    valid, seg, current = position >= 0, torch.zeros(1, 2, S, dtype=torch.int64), position == n
+    cut = dict(targets=torch.tensor([[t + 1]]), cut_segments=torch.tensor([[0]]),
+               cut_members=torch.ones(1, 1, n, dtype=torch.bool), cut_centroids=torch.ones(1, 1, t, dtype=torch.bool),
+               iters=torch.tensor([8]), max_iters=8)
+    for _ in range(20):
+        keys = torch.randn(1, 2, S, 16, generator=gen)
+        noisy = keys * (1 + 1e-6 * torch.randn(keys.shape, generator=gen))
+        evict = tbe_evict(valid, position, keys, seg, current, **cut)
+        assert (evict.sum(-1) == n - t).all()
+        assert torch.equal(evict, tbe_evict(valid, position, noisy, seg, current, **cut))
+    # Two clusters of two: the older member of each stays, whatever rounds which way.
+    a, b = torch.randn(2, 16, generator=gen), torch.randn(2, 16, generator=gen) + 8
+    for pair in ((a, b), (a * (1 + 1e-7), b * (1 - 1e-7))):
+        keys = torch.cat(pair).view(1, 1, 1, 4, 16)  # members 0, 1 near a; 2, 3 near b
+        nearest, nonempty = kmeans_medoids(keys, torch.ones(1, 1, 1, 4, dtype=torch.bool),
+                                           torch.ones(1, 1, 1, 2, dtype=torch.bool), torch.tensor([0, 2]).view(1, 1, 1, 2),
+                                           torch.tensor([3]), 3)
+        assert nearest.flatten().tolist() == [0, 2] and nonempty.all()
 
 # ----- the policy, as the engine drives it ----------------------------------------
 H, D = 2, 4
