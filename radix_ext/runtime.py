@@ -342,6 +342,7 @@ class KVRuntime:
             event.synchronize()
         self._snapshot = None
         cfg = self.region.config
+        # A host tensor by now (pinned, its copy landed): reading it waits for nothing.
         held_per_request, flags = counts.tolist()
         for req, held, overflowed in zip(live, held_per_request, flags):
             if self.requests.get(req.rid) is not req or req.overflowed:
