@@ -1,8 +1,8 @@
 """The host side of the compressed decode pass's CUDA graphs
 (radix_ext/region_graphs.py): which steps are captured, under which key,
 and that a later step of the same shapes reuses the entry with its metadata
-copied in. Capture and replay need a GPU: bench/graph_probe.py compares
-them with the eager pass there (results in bench/results/)."""
+copied in. Capture and replay need a GPU: tests/test_region_pass_gpu.py
+compares them with the eager pass there."""
 
 from types import SimpleNamespace
 

@@ -1,0 +1,145 @@
+"""The compressed decode pass outside SGLang: the real page manager, step
+builder and backend methods over a fake token pool and fake decode batches.
+tests/test_region_pass_gpu.py runs it; on a GPU it is where CUDA-graph
+replay and host syncs of the per-layer pass are checked."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from kvsieve.radix_ext.backend import KvsieveAttnBackend
+from kvsieve.radix_ext.pages import PageManager, RegionConfig
+from kvsieve.radix_ext.runtime import RUNTIME
+from kvsieve.radix_ext.step_meta import StepBuilder
+
+
+@dataclass(frozen=True)
+class Shapes:
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+#: R1-Distill-Qwen-7B's attention, the headline's model.
+QWEN_7B = Shapes(layers=28, q_heads=28, kv_heads=4, head_dim=128)
+TINY = Shapes(layers=2, q_heads=4, kv_heads=2, head_dim=16)
+
+
+class _Mode:
+    def __init__(self, decode: bool):
+        self.decode = decode
+
+    def is_decode(self):
+        return self.decode
+
+    def is_extend(self):
+        return not self.decode
+
+    def is_idle(self):
+        return False
+
+
+class _Pool:
+    """SGLang's token pool as the backend reads it: K/V buffers per layer."""
+
+    def __init__(self, tokens: int, shapes: Shapes, dtype, device):
+        size = (tokens, shapes.kv_heads, shapes.head_dim)
+        self.k = [torch.randn(size, dtype=dtype, device=device) for _ in range(shapes.layers)]
+        self.v = [torch.randn(size, dtype=dtype, device=device) for _ in range(shapes.layers)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+@dataclass
+class RegionPass:
+    """`rows` compressed requests of one policy whose prompts sit in the
+    token pool, decoding; `step(s, q, k, v)` runs decode step s (0-based)
+    through every layer and returns the outputs [layers, rows, q_heads, dim]."""
+
+    backend: KvsieveAttnBackend
+    layer: SimpleNamespace
+    rids: list[str]
+    shapes: Shapes
+    prompt: int
+    device: str
+
+    def batch(self, s: int) -> SimpleNamespace:
+        seq = [self.prompt + s + 1] * len(self.rids)
+        return SimpleNamespace(rids=self.rids, forward_mode=_Mode(decode=True), seq_lens_cpu=torch.tensor(seq),
+                               seq_lens=torch.tensor(seq, device=self.device),
+                               req_pool_indices=torch.arange(1, len(self.rids) + 1, device=self.device),
+                               positions=torch.tensor(seq, device=self.device) - 1)
+
+    def step(self, s: int, q3, k3, v3) -> torch.Tensor:
+        backend = self.backend
+        step = backend.steps.build(self.batch(s))
+        if backend.graphs is not None:
+            backend.graphs.begin_step(step, needs_keys=False)
+        outputs = []
+        for layer_id in range(self.shapes.layers):
+            self.layer.layer_id = layer_id
+            o3 = torch.empty_like(q3)
+            if backend.graphs is None or not backend.graphs.run(backend._decode_region, self.layer, q3, k3, v3, o3):
+                backend._decode_region(q3, k3, v3, o3, self.layer, step)
+            outputs.append(o3)
+        return torch.stack(outputs)
+
+    def region_state(self) -> tuple:
+        p = RUNTIME.region
+        return p.valid.clone(), p.position.clone(), p.score.clone(), RUNTIME.counters.clone()
+
+    def held_tokens_per_head(self) -> list[int]:
+        per_head = self.shapes.layers * self.shapes.kv_heads
+        return [n // per_head for n in RUNTIME.region.held_tokens(self.rids)]
+
+    def close(self) -> None:
+        RUNTIME.requests.clear()
+        RUNTIME.token_observers.clear()
+        RUNTIME.region = None
+
+
+def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shapes = QWEN_7B, budget: int = 16,
+                device: str = "cuda", dtype=torch.bfloat16, graphs=None) -> RegionPass:
+    """The kvsieve backend outside SGLang (RUNTIME set up afresh: call
+    close() after). Seed torch first where two runs must see the same pool."""
+    L, H = shapes.layers, shapes.kv_heads
+    RUNTIME.requests.clear()
+    RUNTIME.region = PageManager(RegionConfig(num_layers=L, num_kv_heads=H, head_dim=shapes.head_dim,
+                                              num_pages=rows * 40 * L * H // 4, page_size=16, dtype=dtype,
+                                              device=device, max_rows=rows + 1))
+    RUNTIME.counters = torch.zeros((rows + 1, 2), dtype=torch.int64, device=device)
+    RUNTIME.overflow_flags = torch.zeros(rows + 1, dtype=torch.bool, device=device)
+    req_to_token = torch.arange((rows + 1) * (prompt + steps + 1), dtype=torch.int32,
+                                device=device).view(rows + 1, -1)
+    backend = object.__new__(KvsieveAttnBackend)
+    kernel = os.environ.get("KVSIEVE_DECODE_KERNEL", "triton" if device == "cuda" else "torch")
+    backend.__dict__.update(inner=SimpleNamespace(), token_to_kv_pool=_Pool(req_to_token.numel(), shapes, dtype, device),
+                            num_layers=L, device=device, pages=RUNTIME.region, step=None,
+                            use_kernel=kernel == "triton", steps=StepBuilder(RUNTIME.region, req_to_token, device),
+                            graphs=graphs)
+    rids = [f"r{i}" for i in range(rows)]
+    for i, rid in enumerate(rids):
+        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget, "compress_prompt": False}},
+                      prompt_len=prompt, sgl_req=SimpleNamespace(req_pool_idx=i + 1, to_finish=None))
+        req = RUNTIME.requests[rid]
+        RUNTIME.reserve(req, 0, steps + 1)
+        req.prefix_len = prompt  # the prompt is in the token pool (compress_prompt off)
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=shapes.q_heads, tp_k_head_num=H, qk_head_dim=shapes.head_dim,
+                            v_head_dim=shapes.head_dim, scaling=shapes.head_dim ** -0.5)
+    return RegionPass(backend=backend, layer=layer, rids=rids, shapes=shapes, prompt=prompt, device=device)
+
+
+def random_qkv(rows: int, shapes: Shapes, generator: torch.Generator, device: str, dtype=torch.bfloat16):
+    """One decode step's q, k, v for every row."""
+    def draw(heads):
+        return torch.randn(rows, heads, shapes.head_dim, dtype=dtype, device=device, generator=generator)
+    return draw(shapes.q_heads), draw(shapes.kv_heads), draw(shapes.kv_heads)
