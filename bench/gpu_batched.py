@@ -1,16 +1,23 @@
-"""GPU benchmark of the batched compressed path (PyTorch reference, no CUDA
-graphs), run through the device tool in one call (see ../shared/gpu/README.md):
+"""The compressed path at a small batch on a GPU, in one device call
+(../shared/gpu/README.md):
 
     python bench/gpu_batched.py bench/models/r1-distill-qwen-7b OUT_DIR [--profiles-only]
 
 R1-Distill-Qwen-7B architecture with dummy weights, 128-token prompts, a
-batch of 64 requests generating 256 tokens each. Measures tokens/s of
-vanilla SGLang (triton), kvsieve `full` and each served policy; counts CUDA
-kernel launches and host syncs per decode step with SGLang's torch profiler;
-checks on the GPU that a budget covering the generation equals `full` token
-for token and that a mixed batch equals its solo runs. Writes
-OUT_DIR/gpu-batched.json (with --profiles-only: the profiles and checks only,
-each engine profiled before it serves anything else).
+batch of 64 requests generating 256 tokens each, budget 64, SGLang's own
+CUDA graphs off (the compressed rows' decode runs the Triton kernel and
+the region's per-layer graphs, the defaults on CUDA). Measures tokens/s of
+vanilla SGLang (triton), kvsieve `full` and streaming, h2o, snapkv and
+longflow; counts CUDA kernel launches and host syncs per decode step with
+SGLang's torch profiler; checks on the GPU that a budget covering the
+generation equals `full` token for token and that a mixed batch equals its
+solo runs. Writes OUT_DIR/gpu-batched.json (with --profiles-only: the
+profiles and checks only, each engine profiled before it serves anything
+else).
+
+The committed run is bench/results/gpu-batched-graphs.json; bench/
+policy_cost.py takes its vanilla step time (batch 64) as the GPU step.
+bench/gpu_headline.py is the throughput benchmark at equal KV memory.
 """
 
 from __future__ import annotations

@@ -168,3 +168,15 @@ def test_after_step_counts_retained_tokens_and_ends_overflowed_requests(runtime)
     RUNTIME.requests.pop("a")
     RUNTIME.after_step()
     assert a.reported_tokens == reported and RUNTIME._snapshot is None
+
+
+def test_a_compressing_request_is_refused_by_name_where_the_engine_runs_another_attention_backend():
+    """Without kvsieve's backend there is no region: admission refuses a
+    compressing kv_policy (naming it) rather than running it as `full`."""
+    from kvsieve.policies.spec import KVPolicyError
+
+    assert RUNTIME.region is None
+    RUNTIME.admit("plain", {"kv_policy": "full"}, prompt_len=4)
+    with pytest.raises(KVPolicyError, match="'h2o' compresses, and this engine does not run kvsieve's attention"):
+        RUNTIME.admit("h2o", {"kv_policy": {"name": "h2o", "budget": 16}}, prompt_len=4)
+    assert not RUNTIME.requests

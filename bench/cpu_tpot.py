@@ -1,15 +1,20 @@
-"""Compressed-request benchmark on CPU: the embedded default model behind
-`kvsieve serve` (kvsieve attention backend).
+"""TPOT on CPU: the embedded default model behind `kvsieve serve` (kvsieve
+attention backend), streamed chat, greedy, ignore_eos.
 
-1. TPOT (time per output token after the first, streamed) of every wired
-   policy vs `full` in the same run, at each batch size (--batches), with the
+1. TPOT (time per output token after the first) of each policy (--policies;
+   default `full` and every compressing policy of the registry) at each
+   batch size (--batches), all at budget --budget in one server, with the
    ratio to `full` at the same batch.
-2. A 1,000-token generation with budget 64 (skipped with --long-tokens 0):
-   retained private tokens per (layer, kv head) and region pages, which must
-   stay within the budget plus one page of slack per (layer, head).
+2. A long generation with h2o (--long-tokens, budget --long-budget; 0 skips
+   it): retained private tokens per (layer, kv head) and the peak of region
+   pages in use, which stay within the budget plus one page of slack per
+   (layer, head).
 
-    .venv/bin/python bench/compressed_cpu.py [--tokens 64] [--batches 1,8,32] [--long-tokens 1000]
-        [--out bench/results/cpu-batched.json]
+    .venv/bin/python bench/cpu_tpot.py [--tokens 64] [--batches 1,8,32] [--long-tokens 1000]
+        [--policies full,streaming,...] [--out bench/results/cpu-batched.json]
+
+bench/plot_cpu_tpot.py draws the result as docs/plots/cpu-batched-tpot.png;
+bench/policy_cost.py reads its `full` TPOT as the CPU step time.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from foundation_cpu import start_server  # noqa: E402
+from serve_cpu import start_server  # noqa: E402
+
+from kvsieve.policies import get_policy, policy_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ["full", "streaming", "h2o", "snapkv", "longflow"]
 PROMPT = [{"role": "user", "content": "Think step by step: what is 17 times 23?"}]
 
 
@@ -81,6 +87,7 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=1000)
     ap.add_argument("--long-budget", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--policies", default=",".join(["full"] + [n for n in policy_names() if get_policy(n).compresses]))
     ap.add_argument("--out", default="bench/results/cpu-batched.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -89,14 +96,14 @@ def main() -> None:
     print(f"engine up in {start_s:.1f} s", flush=True)
     try:
         tpot = {}
-        for name in POLICIES:
+        for name in args.policies.split(","):
             for batch in batches:
                 ms = 1000 * asyncio.run(tpot_run(url, policy_spec(name, args.budget), batch, args.tokens))
                 tpot[f"{name}/batch{batch}"] = round(ms, 1)
                 print(f"{name:10s} batch {batch}: TPOT {ms:.1f} ms", flush=True)
 
         ratio = {key: round(ms / tpot[f"full/{key.split('/')[1]}"], 2) for key, ms in tpot.items()
-                 if not key.startswith("full/")}
+                 if not key.startswith("full/") and f"full/{key.split('/')[1]}" in tpot}
         config = httpx.get(f"{url}/v1/models").json()["data"][0]
         if not args.long_tokens:
             long_result = None
@@ -109,7 +116,7 @@ def main() -> None:
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "command": "python bench/compressed_cpu.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/cpu_tpot.py " + " ".join(sys.argv[1:]),
         "model": config["id"],
         "engine_start_seconds": round(start_s, 1),
         "tpot_ms": tpot,
