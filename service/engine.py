@@ -42,7 +42,10 @@ class EngineSettings:
         # triton on GPU) for uncompressed rows, the compressed region for the
         # others. CUDA graphs stay on for batches without compressed rows.
         if self.device == "cpu":
-            kwargs.update(device="cpu", attention_backend="kvsieve", disable_cuda_graph=True)
+            # sleep_on_idle: an idle scheduler waits on its sockets instead of
+            # spinning, which would take a core from whatever else runs here
+            # (the forward passes of a busy neighbour, other replicas).
+            kwargs.update(device="cpu", attention_backend="kvsieve", disable_cuda_graph=True, sleep_on_idle=True)
         else:
             kwargs.update(device="cuda", attention_backend="kvsieve")
         if self.tp_size > 1:
