@@ -80,12 +80,18 @@ class OpenAIServer:
         deadline = None if timeout is None else job_started(job) + timeout
         async with aclosing(deltas):  # closing this closes (and aborts) the job at once
             while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
+                # The deadline is a timeout scope in this task, not wait_for:
+                # wait_for runs anext in a task of its own, and a client
+                # disconnect (Starlette cancels this task, again and again
+                # until it ends) could leave that task running while aclosing
+                # closes the generator ("aclose(): asynchronous generator is
+                # already running"), and the engine request unaborted.
                 try:
-                    delta = await asyncio.wait_for(anext(deltas), remaining)
+                    async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+                        delta = await anext(deltas)
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     GUARD_REJECTIONS.labels("timeout").inc()
                     raise APIError(504, f"the request took longer than {timeout:g} s and was aborted",
                                    type_="timeout", code="request_timeout") from None
@@ -174,13 +180,18 @@ class OpenAIServer:
         text, token_ids, last = [], [], None
         # aclosing: leaving early (client gone, error) closes run_job at once,
         # which aborts the request in the engine.
-        async with aclosing(self._timed(job, self.deltas(job))) as deltas:
-            async for delta in deltas:
-                text.append(delta.text)
-                token_ids.extend(delta.token_ids)
-                last = delta
-                if await request.is_disconnected():
-                    raise APIError(499, "client disconnected")
+        try:
+            async with aclosing(self._timed(job, self.deltas(job))) as deltas:
+                async for delta in deltas:
+                    text.append(delta.text)
+                    token_ids.extend(delta.token_ids)
+                    last = delta
+                    if await request.is_disconnected():
+                        _log_disconnect(job, len(token_ids))
+                        raise APIError(499, "client disconnected")
+        except asyncio.CancelledError:
+            _log_disconnect(job, len(token_ids))
+            raise
         content = "".join(text)
         if job.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": last.finish_reason}
@@ -211,10 +222,19 @@ class OpenAIServer:
         envelope = self._envelope(job, chunk=True)
         if job.kind == "chat":
             yield _sse({**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        tokens = 0
         try:
             async with aclosing(self._timed(job, self.deltas(job))) as deltas:
                 async for delta in deltas:
+                    tokens += len(delta.token_ids)
                     yield _sse(self._stream_chunk(envelope, job, delta))
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: Starlette cancels this task (waiting for a
+            # delta) or closes this generator (parked at a yield). Either way
+            # the job is closed above, which aborts it in the engine; nothing
+            # failed, so one line at info, no traceback.
+            _log_disconnect(job, tokens)
+            raise
         except APIError as exc:
             yield _sse(exc.body())
         except Exception:
@@ -225,6 +245,15 @@ class OpenAIServer:
 
 def job_started(job: Job) -> float:
     return getattr(job, "started_at", None) or time.monotonic()
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    """A time.monotonic() deadline on the running loop's clock (asyncio.timeout_at's)."""
+    return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
+
+
+def _log_disconnect(job: Job, tokens: int) -> None:
+    logger.info("client disconnected: request %s aborted after %d tokens", job.rid, tokens)
 
 
 async def observed_deltas(engine, job: Job) -> AsyncIterator:
