@@ -1,7 +1,7 @@
 """Where a kvsieve decode step's time goes, at the headline's shape, in one device call:
 
-    python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming] [--budget 1024]
-        [--requests 512] [--steps 4]
+    python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming[,rkv,...]] [--budget 1024]
+        [--requests 512] [--steps 4] [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split), runs --requests requests of 64-token prompts
@@ -11,11 +11,25 @@ torch-profiler trace of --steps steps. The trace is summarized on the spot:
 the GPU's busy share of the profiled span (union of kernel intervals), idle
 gaps, the kernels by total time, and the host's top-level operations. Writes
 OUT_DIR/step-profile.json (the trace itself stays on the device: it is large).
+
+Several policies (`--policy rkv,skipkv,thinkv`) share the requests evenly in
+one batch. The engine runs with KVSIEVE_PROFILE_RANGES=1 (radix_ext/
+profiling.py), so the summary splits the step by what the GPU ran inside each
+named range: `split_per_step_ms` gives the attention kernel
+(kvsieve.attend), the region writes (kvsieve.store + kvsieve.evict), the
+slot gathers a decision reads (kvsieve.view), each policy's decision
+(kvsieve.decide.<policy>), the model's own layers (every other kernel) and
+the host's share (the step's span minus the GPU's busy time), with the host
+ranges (step metadata, each policy's step_inputs) beside it. Ranges are not
+recorded inside a CUDA-graph replay, so the profiled steps run the region's
+pass eagerly (KVSIEVE_REGION_GRAPHS=0); the unprofiled throughput is taken
+with the same setting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import glob
 import gzip
 import json
@@ -31,7 +45,7 @@ def options() -> dict:
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
     return {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024)),
             "requests": int(opts.get("--requests", 512)), "steps": int(opts.get("--steps", 4)),
-            "kv_tokens": int(opts.get("--kv-tokens", 786432))}
+            "kv_tokens": int(opts.get("--kv-tokens", 786432)), "out": opts.get("--out", "step-profile.json")}
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -51,6 +65,44 @@ def idle_gaps(intervals: list[tuple[float, float]], least_us: float) -> list[tup
             gaps.append((end, start))
         end = stop if end is None else max(end, stop)
     return gaps
+
+
+def range_split(events: list, gpu: list, span_us: float, busy_us: float, steps: int) -> dict:
+    """GPU kernel time inside each kvsieve.* range (gpu_user_annotation
+    events mark where the kernels a range launched ran), host time of each
+    kvsieve.* range, and the step split into the parts named in the
+    docstring, all per step in ms."""
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
+              and e.get("name", "").startswith("kvsieve.")]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    starts = [k[0] for k in kernels]
+    gpu_ms: dict[str, float] = {}
+    for r in ranges:
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        i = bisect.bisect_left(starts, lo)
+        inside = 0.0
+        while i < len(kernels) and kernels[i][0] < hi:
+            inside += min(kernels[i][1], hi) - kernels[i][0]
+            i += 1
+        gpu_ms[r["name"]] = gpu_ms.get(r["name"], 0.0) + inside / 1000
+    host_ms: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith("kvsieve."):
+            host_ms[e["name"]] = host_ms.get(e["name"], 0.0) + e["dur"] / 1000
+    per = lambda v: round(v / steps, 3)  # noqa: E731
+    named = sum(gpu_ms.values())
+    split = {"attention_kernel": per(gpu_ms.get("kvsieve.attend", 0.0)),
+             "region_writes": per(gpu_ms.get("kvsieve.store", 0.0) + gpu_ms.get("kvsieve.evict", 0.0)),
+             "decision_inputs_view": per(gpu_ms.get("kvsieve.view", 0.0)),
+             "model_layers_and_rest": per(busy_us / 1000 - named),
+             "host_gpu_idle": per((span_us - busy_us) / 1000)}
+    for name, ms in gpu_ms.items():
+        if name.startswith(("kvsieve.decide.", "kvsieve.observe.")):
+            _, kind, policy = name.split(".", 2)
+            split[("decision." if kind == "decide" else "observation.") + policy] = per(ms)
+    return {"split_per_step_ms": split,
+            "gpu_ms_per_step_by_range": {k: per(v) for k, v in sorted(gpu_ms.items())},
+            "host_ms_per_step_by_range": {k: per(v) for k, v in sorted(host_ms.items())}}
 
 
 def summarize(trace_path: str, steps: int) -> dict:
@@ -93,7 +145,8 @@ def summarize(trace_path: str, steps: int) -> dict:
         inside = [e for e in host if e["ts"] < stop and e["ts"] + e["dur"] > start and e["dur"] > 0.3 * (stop - start)]
         inside.sort(key=lambda e: e["dur"])
         in_gaps.append({"gap_us": round(stop - start, 1), "host_ops_covering": [e["name"][:80] for e in inside[:6]]})
-    return {"span_ms": round(span_us / 1000, 3), "steps": steps, "span_per_step_ms": round(span_us / 1000 / steps, 3),
+    return {**range_split(events, gpu, span_us, busy, steps),
+            "span_ms": round(span_us / 1000, 3), "steps": steps, "span_per_step_ms": round(span_us / 1000 / steps, 3),
             "gpu_busy_ms": round(busy / 1000, 3), "gpu_busy_share": round(busy / span_us, 3),
             "idle_gaps_over_50us": {"count": len(gaps), "total_ms": round(sum(b - a for a, b in gaps) / 1000, 3)},
             "longest_gaps": in_gaps,
@@ -109,11 +162,12 @@ async def drive(engine, cfg, trace_dir: str) -> dict:
 
     budget, n = cfg["budget"], cfg["requests"]
     counts = [0] * n
-    policy = {"name": cfg["policy"], "budget": budget}
-    sampling = headline.params(budget + 160, policy)
+    names = cfg["policy"].split(",")
+    # The policies share the requests in turn (one batch of all of them).
+    sampling = [headline.params(budget + 160, {"name": names[i % len(names)], "budget": budget}) for i in range(n)]
 
     async def one(i, ids):
-        async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True):
+        async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling[i], stream=True):
             counts[i] = chunk["meta_info"]["completion_tokens"]
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(headline.prompts(n, headline.SHORT_PROMPT, 7))]
@@ -138,6 +192,8 @@ def main() -> None:
     import torch
     import sglang as sgl
 
+    os.environ["KVSIEVE_PROFILE_RANGES"] = "1"  # the named ranges of radix_ext/profiling.py
+    os.environ["KVSIEVE_REGION_GRAPHS"] = "0"  # ranges are not recorded inside graph replays
     pool_tokens = int(cfg["kv_tokens"] * headline.POOL_SHARE)
     region_tokens = cfg["kv_tokens"] - pool_tokens
     os.environ["KVSIEVE_REGION_PAGES"] = str(region_tokens * headline.LAYERS * headline.KV_HEADS // headline.PAGE)
@@ -156,12 +212,14 @@ def main() -> None:
                   traces=[os.path.basename(t) for t in traces])
     if traces:
         result["profile"] = summarize(traces[-1], cfg["steps"])
-    with open(os.path.join(out_dir, "step-profile.json"), "w") as f:
+    with open(os.path.join(out_dir, cfg["out"]), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
     if "profile" in result:
         prof = result["profile"]
         print(json.dumps({k: prof[k] for k in ("span_per_step_ms", "gpu_busy_share", "idle_gaps_over_50us")}))
+        print("split", json.dumps(prof["split_per_step_ms"]))
+        print("host ranges", json.dumps(prof["host_ms_per_step_by_range"]))
         for k in prof["kernels"][:25]:
             print("kernel", k["per_step_ms"], k["count"], k["name"])
         for h in prof["host_top_level"][:20]:

@@ -139,7 +139,24 @@ class Policy:
         return None
 
     def select_decode(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:
-        """One decode step of `batch.layer` is done for every row."""
+        """One decode step of `batch.layer` is done for the rows whose
+        decision is due (deciding_rows). Called for every row every step it
+        must give the same result, so it does its own due check on the
+        device and its own observe_decode."""
+        return None
+
+    def observe_decode(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> None:
+        """One decode step of `batch.layer` for the rows whose decision is
+        not due in this step: update the per-slot state the decisions read
+        (a running mean of attention, ThinKV's sparsity), evict nothing."""
+
+    def deciding_rows(self, rows: list[StepRow]) -> Optional[list[bool]]:
+        """Host, once per decode step after step_inputs: which rows run
+        select_decode in this step (the others run observe_decode only), or
+        None for all of them. A policy that decides every k steps (rkv's
+        `buffer`) or at segment ends (thinkv) names the rows due now, so the
+        engine runs the decision, and gathers the keys it reads, for those
+        rows only."""
         return None
 
     # ----- per-process and per-step host hooks -------------------------------

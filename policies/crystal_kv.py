@@ -14,6 +14,15 @@ eviction stops: the answer attends to what was retained (a head may then
 grow by `answer_tokens`, the room admission reserves for it, before the LRFU
 evicts again).
 
+Cadence (decision, `evict_interval`, default 16): the LRFU bookkeeping
+(hits, CRF, tau) runs every step for every row (observe_decode); the
+eviction (rank by decayed CRF, keep the top `budget`) every 16 steps while
+thinking, so a head holds up to budget + 15 tokens between. The engine
+runs the eviction for the rows due only (deciding_rows): rows on their
+cadence step, every row past the end-of-think marker, and adaptive rows
+(their budgets may change in any step). evict_interval 1 evicts every step
+as Algorithm 1 does.
+
 Adaptive budgets (Algorithm 2, `adaptive: true`; false = Crystal-KV Lite):
 select_decode writes each head's sum of decayed CRF over its kept slots to
 a device buffer (per req_pool row, layer, head); every `realloc_interval`
@@ -32,14 +41,16 @@ from pydantic import Field
 
 from .base import Policy, PolicyParams, RequestState
 from .crystal_kv_budgets import reallocate_budgets
-from .observations import Need, keep_top_k, rank_by_position, to_device
+from .observations import Need, keep_top_k, newest_mask, rank_by_position, to_device
 from .registry import register_policy
 
 
 class CrystalKVParams(PolicyParams):
     decay: float = Field(default=0.6, gt=0.0, lt=1.0, description="lambda of the LRFU (0: LRU, 1: LFU)")
     top_p: float = Field(default=0.9, gt=0.0, le=1.0, description="probability mass of a step's hits")
-    evict_interval: int = Field(default=1, ge=1, le=1024, description="evict down to the budget every N steps")
+    evict_interval: int = Field(default=16, ge=1, le=1024,
+                                description="evict down to the budget every N steps (a head holds up to "
+                                            "budget + N - 1 between)")
     think_end: str = Field(default="</think>", max_length=64,
                            description="end-of-think marker: eviction stops after it ('' = never stops)")
     answer_tokens: int = Field(default=512, ge=0, le=1 << 20,
@@ -167,10 +178,20 @@ class CrystalKVPolicy(Policy):
         keep = newest | keep_top_k(obs.attention, view.valid & ~newest, batch.budget - 1)
         return view.valid & ~keep
 
-    def select_decode(self, batch, view, obs):
+    def deciding_rows(self, rows):
+        # A superset of the rows select_decode may evict in: on their cadence
+        # step, past the marker (the answer's room is checked every step),
+        # and adaptive rows (a reallocation may cut a head in any step).
+        return [row.step % row.state.params.evict_interval == 0 or not row.state.thinking
+                or row.state.params.adaptive for row in rows]
+
+    def _lrfu_step(self, batch, view, obs):
+        """Algorithm 1's bookkeeping of one step: the new token enters with
+        CRF 0 and tau = t; the step's hits take CRF <- decayed CRF + 1 and
+        tau <- t. Returns the newest slots and every slot's decayed CRF at t
+        (the eviction's ranking)."""
         t = batch.step.view(-1, 1, 1).to(torch.int32)
-        newest = view.valid & (rank_by_position(view, newest_first=True) < 1)
-        # The new token enters with CRF 0 and tau = t.
+        newest = newest_mask(view.valid, view.position, torch.ones_like(batch.step).view(-1, 1), 1)
         view.score.masked_fill_(newest, 0.0)
         view.last_hit.copy_(torch.where(newest, t, view.last_hit))
         decay = batch.param("decay").view(-1, 1, 1)
@@ -178,7 +199,13 @@ class CrystalKVPolicy(Policy):
         hits = hits_of(obs.attention, view.valid, batch.param("top_p"))
         view.score.copy_(torch.where(hits, decayed + 1.0, view.score))
         view.last_hit.copy_(torch.where(hits, t, view.last_hit))
-        ranking = torch.where(hits, decayed + 1.0, decayed)
+        return newest, torch.where(hits, decayed + 1.0, decayed)
+
+    def observe_decode(self, batch, view, obs):
+        self._lrfu_step(batch, view, obs)
+
+    def select_decode(self, batch, view, obs):
+        newest, ranking = self._lrfu_step(batch, view, obs)
         held = view.valid.sum(dim=-1)  # [R, H]
         interval = batch.param("evict_interval").view(-1, 1)
         due = (batch.step.view(-1, 1) % interval == 0) | (held > batch.budget + interval - 1)

@@ -36,7 +36,7 @@ from .base import RequestState, StepRow
 from .observations import Need, to_device
 from .registry import register_policy
 from .rkv import RKVBase, RKVParams
-from .rkv_scores import due_heads, observe_attention
+from .rkv_scores import due_heads
 from .skipkv_book import RowSentences, SentenceBook, delimiter_table
 from .skipkv_select import FAR, skipkv_evict
 from .skipkv_sentences import RedundantSpans
@@ -152,5 +152,5 @@ class SkipKVPolicy(RKVBase):
         return self._evict(batch, view, view.held > batch.budget)
 
     def select_decode(self, batch, view, obs):
-        observe_attention(view, obs.attention / self._group_size(), batch.param("window"))
-        return self._evict(batch, view, due_heads(view, batch.budget, batch.param("buffer")))
+        self.observe_decode(batch, view, obs)
+        return self._evict(batch, view, due_heads(view, batch.budget, batch.step, batch.param("buffer")))

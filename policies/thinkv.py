@@ -235,8 +235,17 @@ class ThinKVPolicy(Policy):
     def select_prefill(self, batch, view, obs):
         return self._cut(batch, view, prefill=True)
 
-    def select_decode(self, batch, view, obs):
+    def observe_decode(self, batch, view, obs):
         self._record_sparsity(batch, obs)
+
+    def deciding_rows(self, rows):
+        # A row cuts only where step_inputs listed segments to cut (a
+        # transition's anneal, or the budget reached): the k-means and the
+        # key gather run for those rows only.
+        return [bool(row.state.last_row and row.state.last_row[2]) for row in rows]
+
+    def select_decode(self, batch, view, obs):
+        self.observe_decode(batch, view, obs)
         return self._cut(batch, view, prefill=False)
 
 

@@ -38,6 +38,7 @@ from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
 from . import head_parallel, layer0_probe, region_graphs
+from .profiling import span
 from .model_info import build_model_info
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
@@ -134,7 +135,8 @@ class KvsieveAttnBackend(AttentionBackend):
     # ----- once per step ----------------------------------------------------
     def init_forward_metadata(self, forward_batch):
         RUNTIME.after_step()  # host bookkeeping of the previous step (rate-limited)
-        self.step = self.steps.build(forward_batch)
+        with span("kvsieve.step_meta"):
+            self.step = self.steps.build(forward_batch)
         if self.graphs is not None:
             decode = self.step is not None and self.step.region is not None and self.step.extend is None
             if decode:
@@ -244,35 +246,37 @@ class KvsieveAttnBackend(AttentionBackend):
         P = p.config.page_size
         idx = rows.batch_index
         # 1. The new token goes to each (row, head)'s first free slot.
-        real = (table != p.null_page).unsqueeze(-1)
-        free = (~p.valid[table] & real).reshape(R, H, M * P)
-        slot = free.int().argmax(dim=-1)  # [R, H]
-        RUNTIME.flag_overflow(rows.pool_rows, ~free.any(dim=-1).all(dim=-1))
-        page = table.gather(2, (slot // P).unsqueeze(-1)).squeeze(-1)
-        offset = slot % P
-        p.k[page, offset] = k3[idx].to(p.k.dtype)
-        p.v[page, offset] = v3[idx].to(p.v.dtype)
-        p.vnorm[page, offset] = v3[idx].float().abs().sum(-1)
-        p.valid[page, offset] = p.const_true
-        p.position[page, offset] = rows.positions.unsqueeze(1)
-        p.score[page, offset] = p.const_zero
-        p.last_hit[page, offset] = p.const_zero_int
+        with span("kvsieve.store"):
+            real = (table != p.null_page).unsqueeze(-1)
+            free = (~p.valid[table] & real).reshape(R, H, M * P)
+            slot = free.int().argmax(dim=-1)  # [R, H]
+            RUNTIME.flag_overflow(rows.pool_rows, ~free.any(dim=-1).all(dim=-1))
+            page = table.gather(2, (slot // P).unsqueeze(-1)).squeeze(-1)
+            offset = slot % P
+            p.k[page, offset] = k3[idx].to(p.k.dtype)
+            p.v[page, offset] = v3[idx].to(p.v.dtype)
+            p.vnorm[page, offset] = v3[idx].float().abs().sum(-1)
+            p.valid[page, offset] = p.const_true
+            p.position[page, offset] = rows.positions.unsqueeze(1)
+            p.score[page, offset] = p.const_zero
+            p.last_hit[page, offset] = p.const_zero_int
         # 2. Attention over prefix + region, with the observations asked for.
+        with span("kvsieve.attend"):
+            if self.use_kernel:
+                pool = self.token_to_kv_pool
+                out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
+                                            pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
+                                            p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm)
+                o3[idx] = out.to(o3.dtype)
+            else:
+                rk, rv, view = self._slots(table)
+                pk, pv = self._prefix_kv(layer, rows)
+                out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv,
+                                       view.valid.unsqueeze(1), layer.scaling, rows.needs)
+                o3[idx] = out[:, 0].to(o3.dtype)
         if self.use_kernel:
-            pool = self.token_to_kv_pool
-            out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
-                                        pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
-                                        p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm)
-            o3[idx] = out.to(o3.dtype)
-            view = self._view(table, keys=bool(rows.needs & Need.KEYS)
-                              or (layer.layer_id == 0 and bool(rows.needs & Need.LAYER0_KEYS)),
-                              state=rows.keeps_state)
-        else:
-            rk, rv, view = self._slots(table)
-            pk, pv = self._prefix_kv(layer, rows)
-            out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv,
-                                   view.valid.unsqueeze(1), layer.scaling, rows.needs)
-            o3[idx] = out[:, 0].to(o3.dtype)
+            with span("kvsieve.view"):  # what the decisions read of the slots (keys: per deciding group)
+                view = self._view(table, keys=False, state=rows.keeps_state)
         # 3-4. Decide and evict.
         self._decide(layer, table, view, obs, rows.groups, rows.keeps_state, rows.pool_rows, prefill=False)
 
@@ -283,17 +287,23 @@ class KvsieveAttnBackend(AttentionBackend):
         H = table.shape[1]
         evict = torch.zeros_like(view.valid)
         rows = view.valid.shape[0]
-        for group in groups:  # one per policy class present, not per row
+        for group in groups:  # one per policy class present (two when only some rows decide), not per row
             g = group.rows
             # Every row in one policy (members ascend): the view as it is, no
             # gathers of the group's rows and no scatters back.
             whole = len(group.members) == rows
-            # Keys only for policies that read them (Need.KEYS): a gather per call.
-            wants_keys = group.policy.needs & Need.KEYS or (layer.layer_id == 0
-                                                            and group.policy.needs & Need.LAYER0_KEYS)
+            deciding = group.action == "decide"
+            # Keys only for the rows of a decision that reads them (Need.KEYS):
+            # a gather of [rows, heads, slots, head_dim], as large as the K read
+            # by attention, so never for rows that only observe.
+            wants_keys = deciding and (group.policy.needs & Need.KEYS or (layer.layer_id == 0
+                                                                           and group.policy.needs & Need.LAYER0_KEYS))
             keys = None
-            if view.keys is not None and wants_keys:
-                keys = view.keys if whole else view.keys[g]
+            if wants_keys:
+                if view.keys is not None:  # the PyTorch path gathered them for attention
+                    keys = view.keys if whole else view.keys[g]
+                else:
+                    keys = self._flat(p.k, table if whole else table[g])
             if whole:
                 sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
                                keys=keys)
@@ -303,8 +313,12 @@ class KvsieveAttnBackend(AttentionBackend):
                                score=view.score[g] if state else None,
                                last_hit=view.last_hit[g] if state else None, keys=keys)
             batch = group.batch(layer.layer_id, H)
-            decide = group.policy.select_prefill if prefill else group.policy.select_decode
-            chosen = decide(batch, sub, obs if whole else obs.rows(g))
+            if prefill:
+                decide = group.policy.select_prefill
+            else:
+                decide = group.policy.select_decode if deciding else group.policy.observe_decode
+            with span(f"kvsieve.{'decide' if deciding else 'observe'}.{group.policy.name}"):
+                chosen = decide(batch, sub, obs if whole else obs.rows(g))
             if group.policy.keeps_slot_state:
                 if whole:
                     view.score, view.last_hit = sub.score, sub.last_hit
@@ -316,15 +330,16 @@ class KvsieveAttnBackend(AttentionBackend):
                     evict = evict | chosen
                 else:
                     evict[g] = chosen
-        evict &= view.valid
-        shape = (*table.shape, p.config.page_size)
-        if keeps_state:
-            p.score[table] = view.score.reshape(shape)
-            p.last_hit[table] = view.last_hit.reshape(shape)
-        kept = view.valid & ~evict
-        p.valid[table] = kept.reshape(shape)
-        p.position[table] = torch.where(kept, view.position, -1).reshape(shape)
-        RUNTIME.count_evictions(pool_rows, evict.sum(dim=(1, 2)))
+        with span("kvsieve.evict"):
+            evict &= view.valid
+            shape = (*table.shape, p.config.page_size)
+            if keeps_state:
+                p.score[table] = view.score.reshape(shape)
+                p.last_hit[table] = view.last_hit.reshape(shape)
+            kept = view.valid & ~evict
+            p.valid[table] = kept.reshape(shape)
+            p.position[table] = torch.where(kept, view.position, -1).reshape(shape)
+            RUNTIME.count_evictions(pool_rows, evict.sum(dim=(1, 2)))
         view.valid = kept
         return kept
 

@@ -64,7 +64,7 @@ def signature(step, needs_keys: bool) -> Optional[tuple]:
     for group in rows.groups:
         if not getattr(group.policy, "graph_safe", False):
             return None
-        groups.append((type(group.policy).__qualname__, tuple(sorted(group.maxima.items())),
+        groups.append((type(group.policy).__qualname__, group.action, tuple(sorted(group.maxima.items())),
                        tuple(sorted(group.inputs))))
     shapes = tuple((tuple(t.shape), t.dtype) for t in step_tensors(step))
     return (shapes, tuple(groups), rows.needs, rows.keeps_state, needs_keys)

@@ -30,6 +30,7 @@ from kvsieve.policies.observations import to_device
 
 from . import head_parallel
 from .head_pages import plan_head_pages
+from .profiling import span
 from .runtime import RUNTIME, CompressedRequest
 
 #: Prompt queries whose attention scores the prompt at prefill end when a
@@ -51,6 +52,18 @@ class PolicyGroup:
     pool_rows: Optional[torch.Tensor] = None  # [Rg] req_pool rows
     max_rows: int = 0
     members: list = field(default_factory=list)  # host: the rows' indices (as `rows`)
+    #: "decide": select_prefill / select_decode; "observe": observe_decode
+    #: (decode rows whose decision is not due this step: Policy.deciding_rows).
+    action: str = "decide"
+
+    def subset(self, positions: list[int], action: str) -> "PolicyGroup":
+        """The group restricted to its members at `positions` (host list)."""
+        index = _long(positions, self.rows.device)
+        return PolicyGroup(
+            policy=self.policy, rows=self.rows[index], budget=self.budget[index], step=self.step[index],
+            params={k: v[index] for k, v in self.params.items()}, maxima=self.maxima,
+            inputs={k: v[index] for k, v in self.inputs.items()}, pool_rows=self.pool_rows[index],
+            max_rows=self.max_rows, members=[self.members[i] for i in positions], action=action)
 
     def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
         per_layer = self.inputs.get("budget")
@@ -175,18 +188,34 @@ class StepBuilder:
         for cls, members in by_class.items():
             policy = requests[members[0]].policy
             params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
-            inputs = policy.step_inputs(
-                [StepRow(state=requests[r].state, step=steps[r], pool_row=pool_rows[r], budget=budgets[r],
-                         prefill=prefill, private_tokens=requests[r].private_seen) for r in members], self.device)
-            groups.append(PolicyGroup(
+            step_rows = [StepRow(state=requests[r].state, step=steps[r], pool_row=pool_rows[r], budget=budgets[r],
+                                 prefill=prefill, private_tokens=requests[r].private_seen) for r in members]
+            with span(f"kvsieve.step_inputs.{policy.name}"):
+                inputs = policy.step_inputs(step_rows, self.device)
+            group = PolicyGroup(
                 policy=policy,
                 rows=_long(members, self.device),
                 budget=_long([budgets[r] for r in members], self.device),
                 step=_long([steps[r] for r in members], self.device),
                 params=params, maxima=maxima, inputs=inputs,
                 pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows,
-                members=members))
+                members=members)
+            groups += self._split_by_decision(group, None if prefill else policy.deciding_rows(step_rows))
         return groups
+
+    @staticmethod
+    def _split_by_decision(group: PolicyGroup, due: Optional[list[bool]]) -> list[PolicyGroup]:
+        """The group as it decides in this step: whole, or split into the
+        rows whose decision is due and the rows that only observe (nothing
+        for those when the policy observes nothing between decisions)."""
+        if due is None or all(due):
+            return [group]
+        deciding = [i for i, d in enumerate(due) if d]
+        observing = [i for i, d in enumerate(due) if not d]
+        split = [group.subset(deciding, "decide")] if deciding else []
+        if type(group.policy).observe_decode is not Policy.observe_decode:
+            split.append(group.subset(observing, "observe"))
+        return split
 
     def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill) -> RegionRows:
         dev = self.device

@@ -22,7 +22,8 @@ def attention_by_position(view, table: dict):
 
 
 def step(view, params, budget, t, table, inputs=None):
-    policy, batch = batch_of("crystal_kv", [params], [budget], step=t)
+    # Algorithm 1 evicts every step: these tests fix evict_interval 1 unless they set it.
+    policy, batch = batch_of("crystal_kv", [{"evict_interval": 1} | params], [budget], step=t)
     if inputs is not None:
         batch.inputs = inputs
     store(view, t)
@@ -134,7 +135,8 @@ def test_served_end_to_end_equal_to_full_under_a_covering_budget_and_within_a_sm
     full = complete(llama_server, prompt, "full")
     assert covered["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
     assert covered["kv_usage"]["evicted_tokens"] == 0
-    small = complete(llama_server, [42, 31, 32, 33, 34], {"name": "crystal_kv", "budget": 8}, max_tokens=40)
+    small = complete(llama_server, [42, 31, 32, 33, 34],
+                     {"name": "crystal_kv", "budget": 8, "params": {"evict_interval": 1}}, max_tokens=40)
     kv = small["kv_usage"]
     # the prompt kept in the radix cache (less any part an earlier request left there), 8 generated in the region
     assert kv["retained_tokens"] == 5 - kv["prefix_cache_hit_tokens"] + 8

@@ -125,7 +125,7 @@ def test_crystal_kv_realloc_moves_pages_a_step_later_through_plan_head_pages():
     policy = CrystalKVPolicy()
     policy.bind_model(ModelInfo(name="t", num_layers=L, num_kv_heads=H, num_q_heads=H, head_dim=D))
     spec = parse_kv_policy({"name": "crystal_kv", "budget": 6, "params": {
-        "adaptive": True, "realloc_interval": 4, "min_head_budget": 1, "think_end": ""}})
+        "adaptive": True, "realloc_interval": 4, "min_head_budget": 1, "think_end": "", "evict_interval": 1}})
     params = CrystalKVPolicy.Params(**spec.params)
     req = SimpleNamespace(rid="a", policy=policy, params=params, state=policy.begin_request(params, L, H))
     m.allocate("a", 2)

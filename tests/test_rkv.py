@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsieve.policies import Observations, PolicyBatch, SlotView, get_policy, parse_kv_policy, KVPolicyError
+from kvsieve.policies.base import StepRow
 from kvsieve.policies.rkv_scores import key_redundancy, observe_attention
 
 
@@ -33,8 +34,11 @@ def view_of(positions, keys, S=None):
 
 
 def batch_of(name, params, budgets, H):
+    """The policy and a batch of rows with `params`. The scoring tests decide
+    every step (buffer 1) unless they set a buffer: the decision cadence has
+    tests of its own."""
     cls = get_policy(name)
-    rows = [cls.Params(**p) for p in params]
+    rows = [cls.Params(**({"buffer": 1} | p)) for p in params]
     tensors, maxima = cls.batch_params(rows)
     budget = torch.tensor(budgets).unsqueeze(1).expand(-1, H).contiguous()
     return cls(), PolicyBatch(layer=0, budget=budget, step=torch.zeros(len(rows), dtype=torch.int64),
@@ -140,16 +144,38 @@ def test_attention_of_a_query_group_is_averaged():
     assert view.score[0, 0, 0].item() == pytest.approx(0.2)
 
 
-def test_buffer_delays_eviction_until_budget_plus_buffer():
-    # budget 2, buffer 3: a head evicts only when it holds 5, back down to 2.
+def test_buffer_decides_every_buffer_steps_down_to_the_budget():
+    # budget 2, buffer 3: the row decides at steps 2, 5, 8 (every 3rd), each
+    # time cutting the head back to 2; between, it grows to at most 2 + 3.
     policy, batch = batch_of("rkv", [{"buffer": 3, "window": 1}], [2], H=1)
     view = empty_view(1, 1, 8, 2)
     held = []
     for step in range(9):
+        batch.step = torch.tensor([step])
         store(view, step, torch.tensor([[[1.0, float(step)]]]))
         apply(view, policy.select_decode(batch, view, Observations(attention=torch.rand(1, 1, 8) * view.valid)))
         held.append(int(view.held))
-    assert held == [1, 2, 3, 4, 2, 3, 4, 2, 3]
+    assert held == [1, 2, 2, 3, 4, 2, 3, 4, 2]
+    rows = [StepRow(state=None, step=s, pool_row=0, budget=2, prefill=False) for s in range(9)]
+    for row in rows:
+        row.state = policy.begin_request(get_policy("rkv").Params(buffer=3), 1, 1)
+    assert policy.deciding_rows(rows) == [s in (2, 5, 8) for s in range(9)]
+
+
+def test_observe_decode_folds_attention_as_the_decision_does_and_evicts_nothing():
+    # Between decisions a row only observes: the running mean moves exactly
+    # as in a decision step's own observation.
+    policy, batch = batch_of("rkv", [{"buffer": 4, "window": 2}], [1], H=1)
+    observed, decided = empty_view(1, 1, 4, 2), empty_view(1, 1, 4, 2)
+    for step in range(3):
+        for view in (observed, decided):
+            store(view, step, torch.tensor([[[1.0, float(step)]]]))
+        attention = torch.rand(1, 1, 4) * observed.valid
+        batch.step = torch.tensor([step])  # steps 0-2: no decision is due (buffer 4)
+        assert policy.observe_decode(batch, observed, Observations(attention=attention)) is None
+        evict = policy.select_decode(batch, decided, Observations(attention=attention.clone()))
+        assert not evict.any()
+    assert torch.equal(observed.score, decided.score) and torch.equal(observed.last_hit, decided.last_hit)
 
 
 # ----- a plain-Python reference over many steps ---------------------------------
@@ -236,6 +262,7 @@ def test_properties_budget_current_token_determinism(seed, budgets, window, buff
     view = empty_view(R, H, S, D)
     budget = torch.tensor(budgets).view(-1, 1)
     for step in range(steps):
+        batch.step = torch.full((R,), step)
         store(view, step, torch.randn(R, H, D, generator=gen))
         attention = torch.rand(R, H, S, generator=gen) * view.valid
         before = SlotView(view.valid.clone(), view.position.clone(), view.score.clone(), view.last_hit.clone(),
@@ -253,11 +280,11 @@ def test_properties_budget_current_token_determinism(seed, budgets, window, buff
 
 def test_ceiling_and_params():
     cls = get_policy("rkv")
-    assert cls().max_private_tokens(cls.Params(), 10, 100, 32) == 33  # budget + buffer 1
+    assert cls().max_private_tokens(cls.Params(), 10, 100, 32) == 48  # budget + buffer 16
     assert cls().max_private_tokens(cls.Params(buffer=128), 10, 1000, 32) == 160
     assert cls().max_private_tokens(cls.Params(), 50, 100, 32) == 50  # the whole prompt until it is cut
     spec = parse_kv_policy({"name": "rkv", "budget": 64})
-    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 1}
+    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 16}
     assert not spec.prompt_compressed  # decode-time: the prompt stays in the radix cache by default
     for bad in ({"kernel": 4}, {"window": 0}, {"lambda_mix": 1.5}, {"buffer": 0}, {"retain_ratio": 0.1}):
         with pytest.raises(KVPolicyError) as info:

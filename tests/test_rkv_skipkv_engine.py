@@ -28,17 +28,33 @@ def test_budget_above_the_length_equals_full(llama_server, policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_small_budget_holds_the_budget(llama_server, policy):
     # A 12-token prompt in the region is cut to the budget, 8, at its end
-    # (buffer 1): then a head evicts whenever it holds 9, so it ends with 8
-    # (skipkv may end below: it drops redundant sentences whole). Admission
-    # reserved budget + 1 slots per head: one more would fail the request.
+    # (buffer 1: a decision every step): then a head evicts whenever it
+    # holds 9, so it ends with 8 (skipkv may end below: it drops redundant
+    # sentences whole). Admission reserved budget + 1 slots per head: one
+    # more would fail the request.
     prompt = [110 + POLICIES.index(policy), 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
-    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True}, max_tokens=40)
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True,
+                                          "params": {"buffer": 1}}, max_tokens=40)
     kv = out["kv_usage"]
     if policy == "rkv":
         assert kv["retained_tokens"] == 8
     assert 1 <= kv["retained_tokens"] <= 8
     assert kv["evicted_tokens"] == len(prompt) - kv["prefix_cache_hit_tokens"] + 40 - kv["retained_tokens"]
     assert kv["eviction_events"] > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_default_buffer_decides_every_16_steps(llama_server, policy):
+    # The default buffer, 16: decisions at decode steps 15 and 31 of 40 cut
+    # each head back to the budget, 8; the 8 tokens after step 31 stay. The
+    # request never held more than budget + 16 (its admission ceiling).
+    prompt = [130 + POLICIES.index(policy), 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True}, max_tokens=40)
+    kv = out["kv_usage"]
+    if policy == "rkv":
+        assert kv["retained_tokens"] == 8 + 40 % 16
+    assert 1 <= kv["retained_tokens"] <= 8 + 40 % 16
+    assert kv["evicted_tokens"] == len(prompt) - kv["prefix_cache_hit_tokens"] + 40 - kv["retained_tokens"]
 
 
 def test_skipkv_keeps_its_budget_in_a_ragged_batch(llama_server):
@@ -99,17 +115,18 @@ def test_skipkv_drops_a_redundant_generated_sentence_whole(llama_server, tiny_ll
     # S2 ended (refresh 1 reads it at that step), so nothing was evicted
     # before and S1 = tokens 0..d1 is then dropped whole: d1 + 1 tokens, far
     # more than the one token the budget asked for. rkv at the same budget
-    # evicts one token per step from there.
+    # evicts one token per step from there (buffer 1: both decide every step).
     prompt = [27, 301, 12, 44]
     full = complete(llama_server, prompt, "full", max_tokens=48)["choices"][0]["token_ids"]
     ends = sentence_ends(tiny_llama, full)
     assert len(ends) >= 2 and ends[1] - ends[0] > 8, ends  # S1 outside the protected window of 8
     d1, d2 = ends[:2]
     M = d2 + 3
-    policy = {"name": "skipkv", "budget": d2 + 1, "params": {"tau": -1.0, "refresh": 1}}
+    policy = {"name": "skipkv", "budget": d2 + 1, "params": {"tau": -1.0, "refresh": 1, "buffer": 1}}
     out = complete(llama_server, prompt, policy, max_tokens=M)
     assert out["choices"][0]["token_ids"][:d2 + 2] == full[:d2 + 2]  # identical until the first eviction
     kv = out["kv_usage"]
     assert kv["evicted_tokens"] == d1 + 1 and kv["eviction_events"] > 0
-    rkv = complete(llama_server, prompt, {"name": "rkv", "budget": d2 + 1}, max_tokens=M)["kv_usage"]
+    rkv = complete(llama_server, prompt, {"name": "rkv", "budget": d2 + 1, "params": {"buffer": 1}},
+                   max_tokens=M)["kv_usage"]
     assert rkv["evicted_tokens"] < d1 + 1

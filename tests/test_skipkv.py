@@ -328,6 +328,7 @@ def test_properties_budget_current_token_determinism(data, seed, budgets, window
     view = empty_view(R, H, S, D)
     budget = torch.tensor(budgets).view(-1, 1)
     for step in range(steps):
+        batch.step = torch.full((R,), step)
         batch.inputs = data.draw(span_tables(R, step + 1))
         store(view, step, torch.randn(R, H, D, generator=gen))
         attention = torch.rand(R, H, S, generator=gen) * view.valid
@@ -346,9 +347,9 @@ def test_properties_budget_current_token_determinism(data, seed, budgets, window
 
 def test_ceiling_and_params():
     cls = get_policy("skipkv")
-    assert cls().max_private_tokens(cls.Params(), 10, 100, 32) == 33
+    assert cls().max_private_tokens(cls.Params(), 10, 100, 32) == 48
     spec = parse_kv_policy({"name": "skipkv", "budget": 64})
-    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 1, "tau": 0.9, "refresh": 16}
+    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 16, "tau": 0.9, "refresh": 16}
     for bad in ({"tau": 1.5}, {"refresh": 0}, {"sigma": 0.5}):
         with pytest.raises(KVPolicyError) as info:
             parse_kv_policy({"name": "skipkv", "params": bad})

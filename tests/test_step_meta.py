@@ -180,3 +180,27 @@ def test_a_compressing_request_is_refused_by_name_where_the_engine_runs_another_
     with pytest.raises(KVPolicyError, match="'h2o' compresses, and this engine does not run kvsieve's attention"):
         RUNTIME.admit("h2o", {"kv_policy": {"name": "h2o", "budget": 16}}, prompt_len=4)
     assert not RUNTIME.requests
+
+
+def test_rows_whose_decision_is_not_due_only_observe(runtime):
+    # rkv decides every `buffer` steps (Policy.deciding_rows): rows at
+    # different steps split into a group that decides (its keys gathered,
+    # select_decode) and one that only observes (observe_decode); each
+    # subset carries its rows' budgets, steps, parameters and inputs.
+    for rid, row in (("a", 1), ("b", 2), ("c", 3)):
+        req = admit(rid, {"name": "rkv", "budget": 8, "params": {"buffer": 4}}, prompt_len=5, row=row)
+        req.prefix_len = 5
+    # seq_len - 1 - prompt_len: steps 3 and 7 are due (buffer 4), step 4 is not.
+    meta = runtime.build(decode_batch(["a", "b", "c"], [1, 2, 3], [9, 10, 13]))
+    by_action = {g.action: g for g in meta.region.groups}
+    assert sorted(by_action) == ["decide", "observe"]
+    decide, observe = by_action["decide"], by_action["observe"]
+    assert decide.members == [0, 2] and decide.rows.tolist() == [0, 2]
+    assert decide.step.tolist() == [3, 7] and decide.pool_rows.tolist() == [1, 3]
+    assert decide.params["buffer"].tolist() == [4, 4]
+    assert observe.members == [1] and observe.step.tolist() == [4] and observe.pool_rows.tolist() == [2]
+    # All due: one group; none due and nothing to observe (streaming decides every step): no split.
+    meta = runtime.build(decode_batch(["a", "c"], [1, 3], [13, 17]))
+    assert [g.action for g in meta.region.groups] == ["decide"] and meta.region.groups[0].members == [0, 1]
+    meta = runtime.build(decode_batch(["a", "b"], [1, 2], [10, 10]))
+    assert [g.action for g in meta.region.groups] == ["observe"]
