@@ -58,6 +58,8 @@ class OpenAIServer:
         self.model_name = model_name
         self.file_presets = dict(presets or {})
         self.guards = None  # service.guards.Guards: live store presets, caps, timeout
+        self.drain_deadline: Optional[float] = None  # see begin_drain
+        self._waiting: set = set()  # timeout scopes of requests waiting for their next delta
 
     @property
     def presets(self) -> dict:
@@ -86,16 +88,35 @@ class OpenAIServer:
                 # until it ends) could leave that task running while aclosing
                 # closes the generator ("aclose(): asynchronous generator is
                 # already running"), and the engine request unaborted.
+                ends = min((d for d in (deadline, self.drain_deadline) if d is not None), default=None)
                 try:
-                    async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
-                        delta = await anext(deltas)
+                    async with asyncio.timeout_at(None if ends is None else _loop_time(ends)) as scope:
+                        self._waiting.add(scope)  # begin_drain moves it forward
+                        try:
+                            delta = await anext(deltas)
+                        finally:
+                            self._waiting.discard(scope)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
+                    if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                        raise APIError(503, "the server is shutting down; the request was aborted after the "
+                                       "drain period", type_="server_error", code="server_shutting_down") from None
                     GUARD_REJECTIONS.labels("timeout").inc()
                     raise APIError(504, f"the request took longer than {timeout:g} s and was aborted",
                                    type_="timeout", code="request_timeout") from None
                 yield delta
+
+    def begin_drain(self, deadline: float) -> None:
+        """Stop: requests still running at `deadline` (time.monotonic()) end
+        with a `server_shutting_down` error (the Ray Serve ingress's drain)."""
+        if self.drain_deadline is not None and self.drain_deadline <= deadline:
+            return
+        self.drain_deadline = deadline
+        for scope in list(self._waiting):
+            when = scope.when()
+            if when is None or when > _loop_time(deadline):
+                scope.reschedule(_loop_time(deadline))
 
     def policy_label(self, body: dict) -> str:
         """Metrics label of a rejected request: a known policy name, else "invalid"

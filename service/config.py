@@ -111,9 +111,14 @@ class RayConfig(_Section):
     num_cpus_per_replica: float = Field(1.0, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(32, ge=1, description="per engine replica; past it Serve queues at the ingress")
-    graceful_shutdown_timeout_s: float = Field(30.0, ge=0, description="scale-down: a replica finishes its requests for this long")
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0, description="scale-down and stop: requests may finish for this long, then end with a server_shutting_down error")
     health_check_period_s: float = Field(5.0, gt=0)
     app_name: str = "kvsieve"
+    ingress_replicas: int = Field(1, ge=1, description="Serve replicas of the ingress (API, guards); rate limits hold across them with a redis:// store")
+    engine_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each engine replica reserves, e.g. {kvsieve_engine: 1}: one replica per node that offers one")
+    ingress_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of the ingress and metrics hub, e.g. {'node:__internal_head__': 0.001} keeps them on the head node")
+    node_ip_address: Optional[str] = Field(None, description="this process's node address in Ray; default: 127.0.0.1 when Ray runs in-process or ray.address is a loopback one (see service/scale/loopback.py)")
+    proxy_location: Literal["HeadOnly", "EveryNode"] = Field("HeadOnly", description="where Serve runs its HTTP proxy (server.host:server.port)")
 
     @model_validator(mode="after")
     def _one_sizing(self) -> "RayConfig":

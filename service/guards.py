@@ -16,7 +16,7 @@ from .caps import Caps
 from .config import Settings, load_settings
 from .errors import APIError
 from .metrics import GUARD_REJECTIONS
-from .ratelimit import RateLimiter
+from .ratelimit import RateLimiter, rate_limiter_for
 from .store import open_store
 from .store_cache import StoreMirror
 
@@ -33,7 +33,7 @@ class Guards:
         self.settings = settings
         self.mirror = mirror
         self.caps = Caps(settings.limits)
-        self.limiter = RateLimiter()
+        self.limiter = rate_limiter_for(settings.store.url, settings.store.timeout_s)
 
     @classmethod
     def from_settings(cls, settings: Optional[Settings] = None) -> "Guards":
@@ -71,6 +71,9 @@ class Guards:
     def stop(self) -> None:
         if self.mirror is not None:
             self.mirror.stop()
+        close = getattr(self.limiter, "close", None)
+        if close is not None:
+            close()
 
 
 class _BodyTooLarge(APIError):

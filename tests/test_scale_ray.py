@@ -1,6 +1,9 @@
-"""`kvsieve serve --replicas 2` on real Ray (in-process, CPU) with the tiny
-model: kvsieve's API through the ingress, per-replica metrics, presets from a
-real Redis, a replica killed mid-load, and a graceful drain on stop."""
+"""`kvsieve serve --replicas 2` on real Ray (in-process, CPU, on loopback)
+with the tiny model and two ingress replicas: kvsieve's API through the
+ingress, per-replica metrics, presets and API keys from a real Redis, a rate
+limit that holds across both ingress replicas, a client disconnect, a
+replica killed mid-load, and the stop: drain, abort past the grace, exit 0,
+no process left. One Ray start-up for the whole module."""
 
 import json
 import os
@@ -62,8 +65,16 @@ def engine_replica_procs(root: psutil.Process) -> list[psutil.Process]:
 
 
 class RayService:
-    def __init__(self, proc, url, log_path, env):
-        self.proc, self.url, self.log_path, self.env = proc, url, log_path, env
+    def __init__(self, proc, url, log_path, env, key):
+        self.proc, self.url, self.log_path, self.env, self.key = proc, url, log_path, env, key
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def post(self, path: str, body: dict, key: str | None = None, timeout: float = 120) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=timeout,
+                          headers={"Authorization": f"Bearer {key or self.key}"})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -95,24 +106,32 @@ class RayService:
         raise TimeoutError(f"{n} engine replicas did not report:\n{self.log()[-5000:]}")
 
 
+GRACE_S = 8  # ray.graceful_shutdown_timeout_s: the stop's drain
+
+
 @pytest.fixture(scope="module")
 def ray_service(tiny_llama, session_redis, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ray")
     config = workdir / "kvsieve.yaml"
     config.write_text(
-        "ray:\n  replicas: 2\n  num_cpus_per_replica: 1\n  graceful_shutdown_timeout_s: 60\n"
-        "  health_check_period_s: 2\n"
-        "limits:\n  max_tokens: 512\n  request_timeout_s: 300\n"
+        f"ray:\n  replicas: 2\n  ingress_replicas: 2\n  num_cpus_per_replica: 1\n"
+        f"  graceful_shutdown_timeout_s: {GRACE_S}\n  health_check_period_s: 2\n"
+        "auth:\n  enabled: true\n"
+        "limits:\n  max_tokens: 2000\n  request_timeout_s: 300\n"
         "store:\n  refresh_interval_s: 0.2\n"
-        "engine:\n  max_total_tokens: 8192\n"
+        "engine:\n  max_total_tokens: 16384\n"
+        # info: the ingresses' disconnect lines reach this log (Ray forwards worker output)
+        "server:\n  log_level: info\n"
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSIEVE_STORE__URL": session_redis.url}
+    created = kvsieve_cli("keys", "create", "ray-tests", "--rate", "1000", "--burst", "1000", env=env)
+    assert created.returncode == 0, created.stderr
     port = free_port()
     log_path = workdir / "serve.log"
     proc = subprocess.Popen([KVSIEVE, "serve", "--model", str(tiny_llama), "--config", str(config),
                              "--port", str(port)], stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
-    service = RayService(proc, f"http://127.0.0.1:{port}", log_path, env)
+    service = RayService(proc, f"http://127.0.0.1:{port}", log_path, env, created.stdout.strip())
     try:
         service.wait_for_replicas(2, START_TIMEOUT_S)
         yield service
@@ -126,11 +145,12 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
                 proc.wait()
 
 
-def _stream(url: str, body: dict, out: dict, started: threading.Event | None = None) -> None:
+def _stream(s: RayService, body: dict, out: dict, started: threading.Event | None = None) -> None:
     """One streaming completion; records chunks, the error event if any, the end."""
-    out.update(chunks=0, error=None, finish=None, kv_usage=None, done=False, status=None)
+    out.update(chunks=0, error=None, finish=None, kv_usage=None, done=False, status=None, ended=None)
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=300,
+                          headers=s.headers) as r:
             out["status"] = r.status_code
             for line in r.iter_lines():
                 if not line.startswith("data: "):
@@ -150,6 +170,7 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event | None = N
                     out["finish"], out["kv_usage"] = choice["finish_reason"], event.get("kv_usage")
     except httpx.HTTPError as exc:
         out["error"] = {"transport": repr(exc)}
+    out["ended"] = time.monotonic()
 
 
 def test_api_and_metrics_per_replica(ray_service):
@@ -157,7 +178,7 @@ def test_api_and_metrics_per_replica(ray_service):
     assert kvsieve_cli("presets", "set", "ray-house", '{"name": "full"}', env=s.env).returncode == 0
     deadline = time.monotonic() + 15
     while True:  # the ingress sees the new preset without a restart
-        r = httpx.post(f"{s.url}/v1/completions", timeout=120, json={
+        r = s.post("/v1/completions", {
             "prompt": "one two three", "max_tokens": 6, "ignore_eos": True, "kv_policy": "ray-house"})
         if r.status_code == 200 or time.monotonic() > deadline:
             break
@@ -165,12 +186,12 @@ def test_api_and_metrics_per_replica(ray_service):
     assert r.status_code == 200, r.text
     assert r.json()["kv_usage"]["preset"] == "ray-house" and r.json()["usage"]["completion_tokens"] == 6
 
-    bad = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "kv_policy": {"name": "full", "budget": -1}})
+    bad = s.post("/v1/completions", {"prompt": "x", "kv_policy": {"name": "full", "budget": -1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_policy.budget"
 
     outs = [{} for _ in range(8)]
-    threads = [threading.Thread(target=_stream, args=(s.url, {"prompt": f"the model thinks {i}", "max_tokens": 24,
-                                                             "ignore_eos": True, "kv_policy": {"name": "full"}}, o))
+    threads = [threading.Thread(target=_stream, args=(s, {"prompt": f"the model thinks {i}", "max_tokens": 24,
+                                                         "ignore_eos": True, "kv_policy": {"name": "full"}}, o))
                for i, o in enumerate(outs)]
     for t in threads:
         t.start()
@@ -196,7 +217,7 @@ def test_replica_killed_mid_load(ray_service):
     body = {"prompt": "wait let me verify", "max_tokens": 500, "ignore_eos": True}
     outs = [{} for _ in range(8)]
     started = [threading.Event() for _ in outs]
-    threads = [threading.Thread(target=_stream, args=(s.url, body, o, e)) for o, e in zip(outs, started)]
+    threads = [threading.Thread(target=_stream, args=(s, body, o, e)) for o, e in zip(outs, started)]
     for t in threads:
         t.start()
     for e in started:
@@ -220,29 +241,108 @@ def test_replica_killed_mid_load(ray_service):
     # New requests go to the surviving replica.
     time.sleep(1)
     for _ in range(4):
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "one", "max_tokens": 4}, timeout=120)
+        r = s.post("/v1/completions", {"prompt": "one", "max_tokens": 4})
         assert r.status_code == 200, r.text
     # Serve replaces the killed replica.
     s.wait_for_replicas(2, START_TIMEOUT_S, not_before=killed_at + STALE_AFTER_S + 3, exclude=(victims[0].pid,))
     assert victims[0].pid not in [p.pid for p in engine_replica_procs(psutil.Process(s.proc.pid))]
-    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "two", "max_tokens": 4}, timeout=120)
+    r = s.post("/v1/completions", {"prompt": "two", "max_tokens": 4})
     assert r.status_code == 200, r.text
     print(f"replica replaced in {time.monotonic() - killed_at:.0f} s")
 
 
-def test_stop_drains_requests(ray_service):
+def test_rate_limit_holds_across_ingress_replicas(ray_service):
+    s = ray_service
+    created = kvsieve_cli("keys", "create", "ray-limited", "--rate", "0.01", "--burst", "6", env=s.env)
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    deadline = time.monotonic() + 15
+    while httpx.get(f"{s.url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401:
+        assert time.monotonic() < deadline, "the new key never reached the ingresses"
+        time.sleep(0.3)  # (a 401 takes no token)
+    answers = [httpx.get(f"{s.url}/v1/models", headers={"Authorization": f"Bearer {key}"}) for _ in range(19)]
+    codes = [r.status_code for r in answers]
+    # One bucket for both ingresses: the burst of 6 (the first call above
+    # took one) and no more; a bucket per ingress would let up to 12 through.
+    assert codes.count(200) == 5 and codes.count(429) == 14, codes
+    assert len({r.headers["x-kvsieve-ingress"] for r in answers}) == 2  # both ingress replicas answered
+    refused = next(r for r in answers if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded" and int(refused.headers["Retry-After"]) >= 1
+
+
+def test_client_disconnect_aborts_on_the_replica(ray_service):
+    s = ray_service
+    log_start = len(s.log())
+    with httpx.stream("POST", f"{s.url}/v1/completions", headers=s.headers, timeout=120, json={
+            "prompt": "a long thought", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 3:
+                break  # hang up mid-stream
+    gone_at = time.monotonic()
+    seen = None
+    while time.monotonic() - gone_at < 20:
+        log = s.log()[log_start:]
+        if "client disconnected: request" in log:
+            seen = time.monotonic() - gone_at
+            break
+        time.sleep(0.2)
+    assert seen is not None, log[-3000:]
+    # The replicas' running-request gauges (pushed to the hub every 2 s) are back to 0.
+    deadline = time.monotonic() + 15
+    while sum(x.value for x in metric_samples(s.metrics(), "sglang:num_running_reqs")) != 0:
+        assert time.monotonic() < deadline, "the request still runs on its replica"
+        time.sleep(0.5)
+    print(f"disconnect logged after {seen:.1f} s, replica idle after {time.monotonic() - gone_at:.1f} s")
+    log = s.log()[log_start:]
+    assert "Traceback" not in log and "aclose()" not in log, log[-3000:]
+
+
+def test_stop_drains_then_aborts(ray_service):
     s = ray_service
     root = psutil.Process(s.proc.pid)
     tree = root.children(recursive=True)
-    out: dict = {}
-    started = threading.Event()
-    t = threading.Thread(target=_stream, args=(s.url, {"prompt": "one two", "max_tokens": 120, "ignore_eos": True},
-                                               out, started))
-    t.start()
-    assert started.wait(timeout=300)
+    assert len(tree) > 10  # Ray's processes, the replicas, their SGLang processes
+    # Six long streams (far more tokens than the grace allows on any CPU)
+    # and one short one that finishes within it.
+    longs = [{} for _ in range(6)]
+    short: dict = {}
+    started = [threading.Event() for _ in range(7)]
+    threads = [threading.Thread(target=_stream, args=(s, {"prompt": f"think {i}", "max_tokens": 1900,
+                                                         "ignore_eos": True}, o, e))
+               for i, (o, e) in enumerate(zip(longs, started))]
+    threads.append(threading.Thread(target=_stream, args=(s, {"prompt": "short", "max_tokens": 16,
+                                                              "ignore_eos": True}, short, started[-1])))
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(timeout=300)
+    signalled = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
-    t.join(timeout=300)
-    assert out["finish"] == "length" and out["error"] is None, out  # finished, not cut off
-    assert s.proc.wait(timeout=180) == 0, s.log()[-5000:]
-    gone, alive = psutil.wait_procs(tree, timeout=60)
+    # While draining, a new request is refused.
+    deadline = time.monotonic() + 5
+    while True:
+        r = s.post("/v1/completions", {"prompt": "late", "max_tokens": 2}, timeout=30)
+        if r.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    for t in threads:
+        t.join(timeout=GRACE_S + 60)
+    assert not any(t.is_alive() for t in threads)
+    assert short["finish"] == "length" and short["error"] is None and short["done"], short  # drained
+    aborted = [o for o in longs if o["error"] is not None]
+    assert aborted, longs
+    for o in longs:
+        assert o["done"] and (o["finish"] == "length") != (o["error"] is not None), o
+    for o in aborted:  # past the grace: an error event, then [DONE]
+        assert o["error"]["code"] == "server_shutting_down", o
+        assert GRACE_S - 1 <= o["ended"] - signalled <= GRACE_S + 10, o["ended"] - signalled
+    assert s.proc.wait(timeout=GRACE_S + 120) == 0, s.log()[-5000:]
+    print(f"kvsieve serve exited {time.monotonic() - signalled:.1f} s after SIGTERM")
+    gone, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, [(p.pid, p.name()) for p in alive]
+    log = s.log()
+    assert "did not end within" not in log and "outlived the shutdown" not in log, log[-5000:]

@@ -44,6 +44,8 @@ def engine_deployment_options(settings: Settings, metrics_dir: str) -> dict:
             "runtime_env": runtime_env(settings, metrics_dir),
         },
     }
+    if ray_cfg.engine_resources:
+        options["ray_actor_options"]["resources"] = dict(ray_cfg.engine_resources)
     if ray_cfg.autoscaling is not None:
         a = ray_cfg.autoscaling
         options["autoscaling_config"] = {
@@ -59,17 +61,24 @@ def engine_deployment_options(settings: Settings, metrics_dir: str) -> dict:
     return options
 
 
+#: Seconds the ingress outlives the drain on stop: it ends the last streams
+#: itself (server_shutting_down, then [DONE]) before Serve would kill it.
+INGRESS_STOP_MARGIN_S = 15.0
+
+
 def build_app(settings: Settings, metrics_dir: str):
     light = {"num_cpus": 0, "runtime_env": runtime_env(settings, metrics_dir)}
+    if settings.ray.ingress_resources:
+        light["resources"] = dict(settings.ray.ingress_resources)
     hub = serve.deployment(MetricsHub, name="MetricsHub", num_replicas=1, ray_actor_options=light).bind()
     engine = serve.deployment(EngineReplica, **engine_deployment_options(settings, metrics_dir)).bind(
         settings.engine.model_dump(), hub)
     ingress = serve.deployment(
-        Ingress, name="Ingress", num_replicas=1,
+        Ingress, name="Ingress", num_replicas=settings.ray.ingress_replicas,
         # The ingress only tokenizes and relays: Serve's default cap of 5
         # concurrent requests per replica would throttle the whole service.
         max_ongoing_requests=max(64, 4 * settings.ray.max_ongoing_requests),
-        graceful_shutdown_timeout_s=settings.ray.graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=settings.ray.graceful_shutdown_timeout_s + INGRESS_STOP_MARGIN_S,
         graceful_shutdown_wait_loop_s=1.0,
         ray_actor_options=light,
     )

@@ -16,9 +16,35 @@ from prometheus_client.parser import text_string_to_metric_families
 STALE_AFTER_S = 10.0
 
 
+#: An ingress that has not reported for this long is gone.
+INGRESS_STALE_S = 5.0
+
+
 class MetricsHub:
+    """Also the stop's control point: `kvsieve serve` calls begin_drain; every
+    ingress replica reports its in-flight requests twice a second and learns
+    the drain deadline in the answer (relative seconds: nodes share no clock)."""
+
     def __init__(self):
         self._texts: dict[str, tuple[float, str]] = {}
+        self._drain_at: float | None = None  # time.monotonic() of this process
+        self._ingresses: dict[str, tuple[float, bool, int]] = {}  # id -> (stamp, draining, in flight)
+
+    def begin_drain(self, grace_s: float) -> None:
+        at = time.monotonic() + max(0.0, grace_s)
+        if self._drain_at is None or at < self._drain_at:  # a second signal shortens it
+            self._drain_at = at
+
+    def ingress_report(self, ingress: str, draining: bool, in_flight: int) -> float | None:
+        """Seconds left to the drain deadline, None while not stopping."""
+        self._ingresses[ingress] = (time.monotonic(), draining, in_flight)
+        return None if self._drain_at is None else max(0.0, self._drain_at - time.monotonic())
+
+    def drain_status(self) -> dict:
+        now = time.monotonic()
+        live = {i: (d, n) for i, (stamp, d, n) in self._ingresses.items() if now - stamp <= INGRESS_STALE_S}
+        return {"ingresses": len(live), "draining": sum(d for d, _ in live.values()),
+                "in_flight": sum(n for _, n in live.values())}
 
     def push(self, replica: str, text: str) -> None:
         self._texts[replica] = (time.monotonic(), text)

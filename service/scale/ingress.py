@@ -5,8 +5,10 @@ and its deltas stream back through a DeploymentHandle."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -18,6 +20,9 @@ from kvsieve.service.errors import APIError
 from .replica import _own_metrics_dir
 
 logger = logging.getLogger("kvsieve.scale")
+
+#: Seconds between two reports of an ingress to the hub (in flight, drain).
+DRAIN_REPORT_S = 0.5
 
 
 @dataclass
@@ -41,8 +46,20 @@ class RemoteOpenAIServer(OpenAIServer):
         super().__init__(engine, model_name, presets)
         self.engine_handle = engine_handle.options(stream=True)
         self.hub_handle = hub_handle
+        self.in_flight = 0
 
     async def deltas(self, job) -> AsyncIterator:
+        if self.drain_deadline is not None:
+            raise APIError(503, "the server is shutting down; retry on another instance", type_="server_error",
+                           code="server_shutting_down")
+        self.in_flight += 1
+        try:
+            async for delta in self._replica_deltas(job):
+                yield delta
+        finally:
+            self.in_flight -= 1
+
+    async def _replica_deltas(self, job) -> AsyncIterator:
         response = self.engine_handle.run.remote(job)
         finished = False
         try:
@@ -91,6 +108,7 @@ class Ingress:
 
         _own_metrics_dir(f"ingress-{serve.get_replica_context().replica_id.unique_id}")
         self.settings = Settings.model_validate(settings)
+        _log_to_stderr(self.settings.server.log_level)
         # Waits for a first engine replica: Serve queues the call until one is up.
         info = await engine_handle.info.remote()
         model_name = self.settings.engine.served_model_name or _default_name(self.settings, info["model_path"])
@@ -104,13 +122,65 @@ class Ingress:
         self.guards = Guards.from_settings(self.settings)
         self.server = RemoteOpenAIServer(engine, model_name, load_presets(self.settings.engine.presets_file),
                                          engine_handle, hub_handle)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._reporter = asyncio.get_running_loop().create_task(self._report_to_hub())
         logger.warning("ingress up (pid %d): %s, context %d", os.getpid(), model_name, engine.context_length)
 
+    async def _report_to_hub(self) -> None:
+        """Twice a second: this ingress's requests in flight to the hub, and
+        the drain deadline back once `kvsieve serve` stops (launch.py)."""
+        while True:
+            try:
+                server = self.server
+                left = await self.server.hub_handle.ingress_report.remote(
+                    self.replica, server.drain_deadline is not None, server.in_flight)
+                if left is not None and server.drain_deadline is None:
+                    logger.warning("ingress %s draining: %d requests in flight, %.0f s to finish",
+                                   self.replica, server.in_flight, left)
+                if left is not None:
+                    server.begin_drain(time.monotonic() + left)
+            except Exception as exc:  # the hub restarting must not stop serving
+                logger.info("drain report of ingress %s failed: %s", self.replica, exc)
+            await asyncio.sleep(DRAIN_REPORT_S)
+
     def __serve_build_asgi_app__(self):
-        return create_app(None, self.server.model_name, guards=self.guards, server=self.server)
+        app = create_app(None, self.server.model_name, guards=self.guards, server=self.server)
+        replica = self.replica
+
+        class _NameTheIngress:
+            """x-kvsieve-ingress on every response: which ingress replica answered."""
+
+            def __init__(self, inner):
+                self.inner = inner
+
+            async def __call__(self, scope, receive, send):
+                async def named(message):
+                    if message["type"] == "http.response.start":
+                        message = {**message, "headers": [*message.get("headers", []),
+                                                          (b"x-kvsieve-ingress", replica.encode())]}
+                    await send(message)
+
+                await (self.inner(scope, receive, named) if scope["type"] == "http" else
+                       self.inner(scope, receive, send))
+
+        app.add_middleware(_NameTheIngress)
+        return app
 
     def __del__(self):
+        self._reporter.cancel()
         self.guards.stop()
+
+
+def _log_to_stderr(level: str) -> None:
+    """kvsieve's log lines at the configured level on this worker's stderr
+    (Ray's worker log; the driver's when it forwards worker output)."""
+    log = logging.getLogger("kvsieve")
+    log.setLevel(level.upper())
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
 
 
 def _default_name(settings, model_path: str) -> str:
