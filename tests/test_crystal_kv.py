@@ -151,7 +151,8 @@ def test_adaptive_budgets_served_end_to_end_within_the_request_total(llama_serve
     from test_compressed import complete
 
     policy = {"name": "crystal_kv", "budget": 32,
-              "params": {"adaptive": True, "realloc_interval": 8, "min_head_budget": 4, "think_end": ""}}
+              "params": {"adaptive": True, "realloc_interval": 8, "min_head_budget": 4, "think_end": "",
+                         "evict_interval": 1}}
     out = complete(llama_server, [42, 31, 32, 33, 34], policy, max_tokens=64)
     assert len(out["choices"][0]["token_ids"]) == 64 and out["choices"][0]["finish_reason"] == "length"
     kv = out["kv_usage"]
