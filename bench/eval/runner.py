@@ -1,0 +1,229 @@
+"""The policy x budget grid, run through a real kvsieve server, resumable.
+
+A results file holds one entry per cell `task|policy|budget`; each cell
+holds one record per item (id, output text and token ids, grade, the budget
+sent, usage and kv_usage, latency). The file is rewritten atomically after
+every item, so an interrupted run loses at most the request in flight; a
+rerun skips what is done, item by item.
+
+Budgets (labels in the results):
+  `N`      an absolute budget of N tokens (per layer and kv head);
+  `fX`     X times the full run's KV of the same item (the tokens the budget
+           governs: prompt and output when the prompt is compressed, else the
+           output), floored at 16;
+  `rX`     budget_ratio X (the server's: X of the private tokens so far);
+  `ref`    a budget that evicts nothing (prompt + max_tokens + 64): the
+           fidelity reference, the same compressed path without eviction.
+`full` runs once per task, budget label `-`.
+
+Requests are sent one at a time by default (solo): SGLang's CPU path is not
+batch-invariant, so greedy outputs of concurrent requests differ from solo
+ones; `concurrency` > 1 is faster and recorded in the results.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from .grading import final_answer, grade
+from .tasks import COMPRESS_PROMPT, Item
+
+MIN_FRACTION_BUDGET = 16
+REF_SLACK = 64
+
+
+def parse_budget(label: str) -> tuple[str, float]:
+    """('abs'|'frac'|'ratio'|'ref', value) of a budget label; ValueError if bad."""
+    if label == "ref":
+        return "ref", 0.0
+    kind = {"f": "frac", "r": "ratio"}.get(label[:1])
+    text = label[1:] if kind else label
+    try:
+        value = float(text) if kind else int(text)
+    except ValueError:
+        raise ValueError(f"budget {label!r}: want N (tokens), fX (fraction of the full run's KV), rX "
+                         f"(budget_ratio) or ref") from None
+    if kind and not 0 < value <= 1:
+        raise ValueError(f"budget {label!r}: the fraction must be in (0, 1]")
+    if not kind and value < 1:
+        raise ValueError(f"budget {label!r}: must be at least 1 token")
+    return kind or "abs", value
+
+
+def cell_key(task: str, policy: str, budget: str) -> str:
+    return f"{task}|{policy}|{budget}"
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0))} cores usable, {platform.system()} (CPU, no GPU)"
+
+
+class Results:
+    """The results file: meta, items, cells; saved atomically."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = Path(path)
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text())
+            old = self.data.get("meta", {})
+            for key in ("model", "tasks_config"):
+                if key in old and old[key] != meta.get(key):
+                    raise ValueError(f"{self.path}: made with another {key} ({old[key]!r}); use another --out")
+            runs = old.get("runs", [])
+        else:
+            self.data = {"meta": {}, "items": {}, "cells": {}}
+            runs = []
+        run = {k: meta[k] for k in ("command", "started", "machine", "concurrency") if k in meta}
+        self.data["meta"] = {**self.data.get("meta", {}), **meta, "runs": runs + [run]}
+
+    def cell(self, key: str) -> dict:
+        return self.data["cells"].setdefault(key, {"records": {}})
+
+    def save(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=None, separators=(",", ":")))
+        os.replace(tmp, self.path)
+
+
+@dataclass
+class Cell:
+    task: str
+    policy: str
+    budget: str  # label; "-" for full
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.task, self.policy, self.budget)
+
+
+def plan(tasks: list[str], policies: list[str], budgets: list[str]) -> list[Cell]:
+    """Cells in run order: `full` of every task first (fractions and
+    fidelity need it), then budget by budget, every policy of it."""
+    cells = [Cell(t, "full", "-") for t in tasks]
+    for b in budgets:
+        for p in policies:
+            if p == "full":
+                continue
+            cells += [Cell(t, p, b) for t in tasks]
+    return cells
+
+
+def _governed_tokens(full_record: dict, prompt_compressed: bool) -> int:
+    usage = full_record["usage"]
+    out = usage["completion_tokens"]
+    return usage["prompt_tokens"] + out if prompt_compressed else out
+
+
+def kv_policy_for(cell: Cell, item: Item, full_record: Optional[dict], compress_mode: str = "task") -> dict:
+    """The kv_policy object one request of `cell` sends. `compress_mode`:
+    "task" (COMPRESS_PROMPT per task) or "always" (compress_prompt true on
+    every task: what `kvsieve calibrate auto` measures, so that a point's
+    kv_policy is one object for every task)."""
+    if cell.policy == "full":
+        return {"name": "full"}
+    from kvsieve.policies import get_policy
+
+    spec: dict = {"name": cell.policy}
+    compress = True if compress_mode == "always" else COMPRESS_PROMPT.get(item.task)
+    if compress is not None:
+        spec["compress_prompt"] = compress
+    prompt_compressed = compress if compress is not None else get_policy(cell.policy).compress_prompt
+    kind, value = parse_budget(cell.budget)
+    if kind == "abs":
+        spec["budget"] = int(value)
+    elif kind == "ratio":
+        spec["budget_ratio"] = value
+    elif kind == "frac":
+        if full_record is None or "usage" not in full_record:
+            raise RuntimeError(f"{cell.key}: the full run of {item.id} is missing")
+        spec["budget"] = max(MIN_FRACTION_BUDGET, math.ceil(value * _governed_tokens(full_record, prompt_compressed)))
+    else:  # ref
+        if full_record is None or "usage" not in full_record:
+            raise RuntimeError(f"{cell.key}: the full run of {item.id} is missing")
+        spec["budget"] = full_record["usage"]["prompt_tokens"] + item.max_tokens + REF_SLACK
+    return spec
+
+
+def run_item(client, cell: Cell, item: Item, full_record: Optional[dict], compress_mode: str = "task") -> dict:
+    kv_policy = kv_policy_for(cell, item, full_record, compress_mode)
+    resp = client.chat(item.messages, item.max_tokens, kv_policy)
+    record: dict = {"id": item.id, "kv_policy": kv_policy, "latency_s": round(resp["latency_s"], 3)}
+    if "error" in resp:
+        record.update(status=resp["status"], error=resp["error"])
+        return record
+    choice = resp["choices"][0]
+    text = choice["message"]["content"]
+    record.update(
+        text=text, token_ids=choice.get("token_ids", []), finish_reason=choice["finish_reason"],
+        usage=resp["usage"], kv_usage=resp["kv_usage"],
+        answer=final_answer(item.task, text), correct=grade(item.task, text, item.answer),
+    )
+    return record
+
+
+def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list[Cell],
+             concurrency: int = 1, progress: Optional[Callable[[int], None]] = None,
+             on_cell: Optional[Callable[[Cell], None]] = None, compress_mode: str = "task") -> dict[str, int]:
+    """Run every missing (cell, item); returns counts {ran, skipped, errors}."""
+    counts = {"ran": 0, "skipped": 0, "errors": 0}
+    results.data["items"] = {t: [i.to_json() for i in its] for t, its in items.items()}
+    pool = ThreadPoolExecutor(max_workers=concurrency) if concurrency > 1 else None
+    try:
+        for cell in cells:
+            if on_cell:
+                on_cell(cell)
+            entry = results.cell(cell.key)
+            entry.update(task=cell.task, policy=cell.policy, budget=cell.budget)
+            full_records = results.cell(cell_key(cell.task, "full", "-"))["records"]
+            todo = [i for i in items[cell.task] if i.id not in entry["records"]]
+            counts["skipped"] += len(items[cell.task]) - len(todo)
+            if progress:
+                progress(len(items[cell.task]) - len(todo))
+
+            def one(item: Item) -> dict:
+                return run_item(client, cell, item, full_records.get(item.id), compress_mode)
+
+            outputs = pool.map(one, todo) if pool else map(one, todo)
+            for item, record in zip(todo, outputs):
+                entry["records"][item.id] = record
+                counts["ran"] += 1
+                counts["errors"] += "error" in record
+                results.save()
+                if progress:
+                    progress(1)
+            entry["done"] = True
+            results.save()
+    finally:
+        if pool:
+            pool.shutdown()
+    return counts
+
+
+def total_items(items: dict[str, list[Item]], cells: list[Cell]) -> int:
+    return sum(len(items[c.task]) for c in cells)
+
+
+def new_meta(model: str, model_dir: Optional[str], tasks_config: dict, command: str, concurrency: int) -> dict:
+    return {
+        "model": model, "model_dir": model_dir, "tasks_config": tasks_config, "command": command,
+        "concurrency": concurrency, "machine": machine(),
+        "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "greedy": True, "time": time.time(),
+    }

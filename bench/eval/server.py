@@ -1,0 +1,91 @@
+"""The engine the harness measures: a real `kvsieve serve` process (SGLang
+with the kvsieve plugin), started here on a free port or reached by URL, and
+called through its OpenAI-compatible API like any client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+
+KVSIEVE = str(Path(sys.executable).with_name("kvsieve"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(model_dir: Optional[str], extra_args: tuple[str, ...] = (), timeout: float = 900,
+          log_path: Optional[Path] = None, env: Optional[dict] = None) -> Iterator[str]:
+    """Start `kvsieve serve` on `model_dir` (None: the embedded default model),
+    yield its base URL, stop it (SIGTERM) on exit."""
+    port = free_port()
+    log_path = Path(log_path or Path(tempfile.gettempdir()) / f"kvsieve-eval-serve-{port}.log")
+    args = [KVSIEVE, "serve", "--port", str(port), "--log-level", "warning", *extra_args]
+    if model_dir:
+        args += ["--model", str(model_dir)]
+    with open(log_path, "wb") as log:
+        # A measurement waits for slow requests rather than losing them to the
+        # server's default 600 s request timeout (a shared 2-core CPU is slow).
+        base = {"KVSIEVE_LIMITS__REQUEST_TIMEOUT_S": "86400", **os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**base, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvsieve serve exited with {proc.returncode}; log: {log_path}\n"
+                                   f"{log_path.read_text(errors='replace')[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kvsieve serve did not come up in {timeout:.0f} s; log: {log_path}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Client:
+    """Chat completions against a kvsieve server, greedy, with token ids."""
+
+    def __init__(self, url: str, timeout: float = 1800):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=timeout)
+        self.model = self.http.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def chat(self, messages: list[dict], max_tokens: int, kv_policy) -> dict:
+        """The response body (status 200) or {"error": ..., "status": code}."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "kv_policy": kv_policy, "return_token_ids": True}
+        started = time.monotonic()
+        resp = self.http.post(f"{self.url}/v1/chat/completions", json=body)
+        elapsed = time.monotonic() - started
+        data = resp.json()
+        if resp.status_code != 200:
+            return {"status": resp.status_code, "error": data.get("error", data), "latency_s": elapsed}
+        data["latency_s"] = elapsed
+        return data
+
+    def close(self) -> None:
+        self.http.close()
