@@ -80,8 +80,12 @@ class RegionPass:
                                positions=torch.tensor(seq, device=self.device) - 1)
 
     def step(self, s: int, q3, k3, v3) -> torch.Tensor:
+        return self.run_batch(self.batch(s), q3, k3, v3)
+
+    def run_batch(self, forward_batch, q3, k3, v3) -> torch.Tensor:
+        """One step of a batch made by batch(s): metadata once, then every layer."""
         backend = self.backend
-        step = backend.steps.build(self.batch(s))
+        step = backend.steps.build(forward_batch)
         if backend.graphs is not None:
             backend.graphs.begin_step(step, needs_keys=False)
         outputs = []
