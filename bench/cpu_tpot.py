@@ -13,7 +13,10 @@ attention backend), streamed chat, greedy, ignore_eos.
     .venv/bin/python bench/cpu_tpot.py [--tokens 64] [--batches 1,8,32] [--long-tokens 1000]
         [--policies full,streaming,...] [--out bench/results/cpu-batched.json]
 
-bench/plot_cpu_tpot.py draws the result as docs/plots/cpu-batched-tpot.png;
+Committed result: bench/results/cpu-batched.json (2-core x86_64,
+2026-11-22), from `python bench/cpu_tpot.py --tokens 64 --batches 1,8,32
+--long-tokens 0 --policies full,streaming,h2o,snapkv,longflow`.
+bench/plot_cpu_tpot.py draws it as docs/plots/cpu-batched-tpot.png;
 bench/policy_cost.py reads its `full` TPOT as the CPU step time.
 """
 

@@ -15,8 +15,10 @@ solo runs. Writes OUT_DIR/gpu-batched.json (with --profiles-only: the
 profiles and checks only, each engine profiled before it serves anything
 else).
 
-The committed run is bench/results/gpu-batched-graphs.json; bench/
-policy_cost.py takes its vanilla step time (batch 64) as the GPU step.
+Committed result: bench/results/gpu-batched-graphs.json (H100,
+2026-11-22), from `python bench/gpu_batched.py bench/models/r1-distill-qwen-7b
+OUT_DIR`; bench/policy_cost.py takes its vanilla step time (batch 64) as
+the GPU step.
 bench/gpu_headline.py is the throughput benchmark at equal KV memory.
 """
 

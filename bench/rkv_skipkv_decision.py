@@ -16,6 +16,8 @@ every 16 steps it checks that no head is over budget. Also: how far the
 16-bit key products of the redundancy are from float32.
 
   python bench/rkv_skipkv_decision.py --rows 64 256 --steps 200 --out bench/results/rkv-skipkv-decision.json
+
+Committed result: bench/results/rkv-skipkv-decision.json (H100, 2026-11-22), from this command.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ HTTP, no plugin), recorded beside it as `plain_engine`.
 
     .venv/bin/python bench/serve_cpu.py [--tokens 128] [--model DIR] [--plain]
 
-bench/cpu_tpot.py starts its server with start_server() from here.
+Committed result: bench/results/serve-cpu.json (2-core x86_64, 2026-11-21),
+from `python bench/serve_cpu.py --tokens 128`. bench/cpu_tpot.py starts its
+server with start_server() from here.
 """
 
 from __future__ import annotations

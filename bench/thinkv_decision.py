@@ -9,6 +9,8 @@ way that no head ever holds more than the budget. The decisions run under
 torch.cuda.set_sync_debug_mode("error"): a host sync inside them raises.
 
   python bench/thinkv_decision.py --rows 64 256 --steps 1500 --out bench/results/thinkv-decision.json
+
+Committed result: bench/results/thinkv-decision.json (H100, 2026-11-22), from this command.
 """
 
 from __future__ import annotations
