@@ -1,8 +1,9 @@
 """rkv's and skipkv's per-layer decisions on a GPU, driven as the engine drives
 them: (skipkv) host step_inputs, the store of the new token in each head's
 first free slot, select_decode, then (skipkv) on_tokens with the step's
-token and a last-layer hidden state. Heads start full (budget tokens), so
-every measured step evicts (buffer 1): the worst case.
+token and a last-layer hidden state. Heads start full (budget tokens) and
+the policies decide every step (`--buffer 1`, the default here; served
+requests default to 16), so every measured step evicts: the worst case.
 
 skipkv's hidden states come from a few base directions plus noise, so later
 sentences repeat earlier ones (cosine > tau); delimiters come 1 token in 12.
@@ -35,13 +36,13 @@ DELIMITER = 0
 
 
 def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hidden: int, seed: int = 0,
-        profile: bool = False) -> dict:
+        profile: bool = False, buffer: int = 1) -> dict:
     dev = "cuda"
     cls = get_policy(name)
     policy = cls()
     policy.bind_model(ModelInfo(name="bench", num_layers=1, num_kv_heads=heads, num_q_heads=4 * heads,
                                 head_dim=dim, delimiter_ids=frozenset({DELIMITER})))
-    params = cls.Params(refresh=16) if name == "skipkv" else cls.Params()
+    params = cls.Params(refresh=16, buffer=buffer) if name == "skipkv" else cls.Params(buffer=buffer)
     tensors, maxima = cls.batch_params([params] * rows, dev)
     if name == "skipkv":
         policy._delimiter_table(dev)  # once per process: its copy to the GPU syncs
@@ -119,7 +120,8 @@ def run(name: str, rows: int, steps: int, budget: int, heads: int, dim: int, hid
         print(f"{ms:9.2f} ms  {key[:100]}")
     stats = lambda xs: {"mean_ms": sum(xs) / len(xs), "max_ms": max(xs)}  # noqa: E731
     warm = decide[5:]
-    return {"policy": name, "rows": rows, "steps": steps, "budget": budget, "kv_heads": heads, "head_dim": dim,
+    return {"policy": name, "rows": rows, "steps": steps, "budget": budget, "buffer": buffer, "kv_heads": heads,
+            "head_dim": dim,
             "decision_per_layer": stats(warm),
             "host_step_inputs": stats([1000 * x for x in host_inputs[5:]]),
             "host_on_tokens_all_rows": stats([1000 * x for x in host_tokens[5:]]),
@@ -158,6 +160,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--buffer", type=int, default=1,
+                   help="the policies' `buffer` (decide every N steps); 1, every step, is the worst case")
     p.add_argument("--out")
     p.add_argument("--profile", action="store_true", help="print the kernels of the last 10 steps by CUDA time")
     args = p.parse_args()
@@ -166,7 +170,7 @@ def main() -> None:
     for name in args.policies:
         for rows in args.rows:
             results["runs"].append(run(name, rows, args.steps, args.budget, args.heads, args.dim, args.hidden,
-                                       profile=args.profile))
+                                       profile=args.profile, buffer=args.buffer))
             print(json.dumps(results["runs"][-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
