@@ -196,6 +196,12 @@ class Policy:
         positions [T], ids [T] and, with HIDDEN_STATES, the last layer's
         hidden states after the final norm [T, hidden]."""
 
+    def observes_tokens(self, state: RequestState) -> bool:
+        """Whether on_tokens must see this request's tokens (a per-request
+        host call in every forward): by default when the policy needs token
+        ids or hidden states."""
+        return bool(self.needs & (Need.TOKEN_IDS | Need.HIDDEN_STATES))
+
     def end_request(self, state: RequestState) -> None:
         """The request ended (finished, aborted or failed)."""
 

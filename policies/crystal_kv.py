@@ -92,7 +92,7 @@ class CrystalKVPolicy(Policy):
     Params = CrystalKVParams
     needs = Need.ATTENTION | Need.TOKEN_IDS
     keeps_slot_state = True
-    graph_safe = False  # not yet checked on a GPU (bench/graph_probe.py)
+    graph_safe = True  # tests/test_region_pass_gpu.py: replay equals the eager pass, no host sync
     description = ("Attention-based LRFU per (layer, kv head) during thinking; stops at the end-of-think marker; "
                    "adaptive: per-head budgets from the heads' CRF (Algorithm 2), pages moved between heads.")
 
@@ -100,6 +100,11 @@ class CrystalKVPolicy(Policy):
         encode = self.model.encode if self.model is not None else None
         marker = tuple(encode(params.think_end)) if (params.think_end and encode is not None) else ()
         return CrystalKVState(params, num_layers, num_kv_heads, marker)
+
+    def observes_tokens(self, state):
+        # Only to watch for the end-of-think marker: a request without one
+        # (think_end "", or no tokenizer) costs no per-request call per forward.
+        return bool(state.marker)
 
     def on_tokens(self, state, positions, token_ids, hidden_states):
         # Inside the forward (the logits hook): keep a device copy of the tail

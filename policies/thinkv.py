@@ -73,6 +73,11 @@ class ThinKVPolicy(Policy):
     name = "thinkv"
     Params = ThinKVParams
     needs = Need.SPARSITY | Need.KEYS
+    #: tests/test_region_pass_gpu.py: replay equals the eager pass, no host sync. A
+    #: step that cuts has shapes of its own (segments, members, centroids) and
+    #: runs eagerly unless the next step repeats them; the steps between cuts
+    #: only record sparsity and replay one graph.
+    graph_safe = True
     description = "Thought-typed segments annealed at each transition; k-means keeps representative tokens."
 
     calibration: Optional[calib.Calibration] = None

@@ -167,7 +167,7 @@ class KVRuntime:
         self.requests[rid] = CompressedRequest(
             rid=rid, spec=spec, policy=policy, params=params, prompt_len=prompt_len, sgl_req=sgl_req,
             state=policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads))
-        if policy.needs & (Need.TOKEN_IDS | Need.HIDDEN_STATES):
+        if policy.observes_tokens(self.requests[rid].state):
             self.token_observers.add(rid)
 
     def exceeds_region(self, req: CompressedRequest, max_new_tokens: int) -> Optional[str]:
