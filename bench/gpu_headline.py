@@ -3,7 +3,7 @@
     python bench/gpu_headline.py MODEL_DIR OUT_DIR [--generate 8192,16384,32768] [--budgets 1024,2048]
         [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]
         [--kv-tokens 786432] [--max-running 512] [--tail 192]
-        [--parts machine,vanilla,kvsieve] [--check-prompt 2048]
+        [--parts machine,vanilla,kvsieve] [--check-prompt 2048] [--policy-params '{"crystal_kv": {...}}']
 
 R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
 KV memory (--kv-tokens tokens of bf16 K and V). Generating G tokens is
@@ -72,7 +72,9 @@ def options() -> dict:
     return {"generate": ints("--generate", "8192,16384,32768"), "budgets": ints("--budgets", "1024,2048"),
             "policies": opts.get("--policies", DECODE_POLICIES).split(","),
             "kv_tokens": int(opts.get("--kv-tokens", 786432)), "max_running": int(opts.get("--max-running", 512)),
-            "tail": int(opts.get("--tail", 192)), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
+            "tail": int(opts.get("--tail", 192)),
+            # {"policy": {param: value}}: options a policy runs with (recorded in each entry)
+            "policy_params": json.loads(opts.get("--policy-params", "{}")), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
 
 
 VOCAB_IDS = (1000, 100000)  # random prompt ids are drawn here (set from the model's vocab in main)
@@ -303,9 +305,11 @@ def main() -> None:
                 n = kvsieve_n[budget]
                 for name in cfg["policies"]:
                     policy = {"name": name, "budget": budget}
+                    if cfg["policy_params"].get(name):
+                        policy["params"] = cfg["policy_params"][name]
                     entry = timed_run(engine, prompts(n, SHORT_PROMPT, 7), params(budget + 2 * cfg["tail"], policy),
                                       budget)
-                    entry.update(policy=name, budget=budget)
+                    entry.update(policy=name, budget=budget, params=policy.get("params", {}))
                     if results.get("machine"):
                         entry["roofline"] = roofline(results["machine"], n, n * (budget + SHORT_PROMPT))
                     results["kvsieve"].append(entry)
