@@ -4,6 +4,7 @@
         [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]
         [--kv-tokens 786432] [--max-running 512] [--tail 192]
         [--parts machine,vanilla,kvsieve] [--check-prompt 2048] [--policy-params '{"crystal_kv": {...}}']
+        [--temperatures 0,0.7]
 
 R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
 KV memory (--kv-tokens tokens of bf16 K and V). Generating G tokens is
@@ -74,7 +75,9 @@ def options() -> dict:
             "kv_tokens": int(opts.get("--kv-tokens", 786432)), "max_running": int(opts.get("--max-running", 512)),
             "tail": int(opts.get("--tail", 192)),
             # {"policy": {param: value}}: options a policy runs with (recorded in each entry)
-            "policy_params": json.loads(opts.get("--policy-params", "{}")), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
+            "policy_params": json.loads(opts.get("--policy-params", "{}")),
+            # kvsieve points at each temperature (0: greedy; SGLang's sampler then skips its vocabulary sort)
+            "temperatures": [float(t) for t in opts.get("--temperatures", "0").split(",")], "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
 
 
 VOCAB_IDS = (1000, 100000)  # random prompt ids are drawn here (set from the model's vocab in main)
@@ -203,8 +206,8 @@ def timed_run(engine, ids, params, threshold: int) -> dict:
     return result
 
 
-def params(tokens: int, policy=None) -> dict:
-    p = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+def params(tokens: int, policy=None, temperature: float = 0.0) -> dict:
+    p = {"max_new_tokens": tokens, "temperature": temperature, "ignore_eos": True}
     if policy is not None:
         p["custom_params"] = {"kv_policy": policy}
     return p
@@ -303,13 +306,13 @@ def main() -> None:
             save()
             for budget in cfg["budgets"]:
                 n = kvsieve_n[budget]
-                for name in cfg["policies"]:
+                for name, temperature in [(p, t) for p in cfg["policies"] for t in cfg["temperatures"]]:
                     policy = {"name": name, "budget": budget}
                     if cfg["policy_params"].get(name):
                         policy["params"] = cfg["policy_params"][name]
-                    entry = timed_run(engine, prompts(n, SHORT_PROMPT, 7), params(budget + 2 * cfg["tail"], policy),
-                                      budget)
-                    entry.update(policy=name, budget=budget, params=policy.get("params", {}))
+                    entry = timed_run(engine, prompts(n, SHORT_PROMPT, 7),
+                                      params(budget + 2 * cfg["tail"], policy, temperature), budget)
+                    entry.update(policy=name, budget=budget, params=policy.get("params", {}), temperature=temperature)
                     if results.get("machine"):
                         entry["roofline"] = roofline(results["machine"], n, n * (budget + SHORT_PROMPT))
                     results["kvsieve"].append(entry)

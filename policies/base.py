@@ -196,6 +196,18 @@ class Policy:
         positions [T], ids [T] and, with HIDDEN_STATES, the last layer's
         hidden states after the final norm [T, hidden]."""
 
+    def on_forward_tokens(self, requests: list, positions: torch.Tensor, token_ids: torch.Tensor,
+                          hidden_states: Optional[torch.Tensor]) -> None:
+        """Once per forward pass for all of this policy's observing requests:
+        `requests` holds (state, first token, token count) into the forward's
+        positions, ids and (with HIDDEN_STATES) hidden states. The default
+        hands each request its slices through on_tokens; a policy with many
+        requests per batch takes them at once instead."""
+        for state, start, n in requests:
+            rows = slice(start, start + n)
+            self.on_tokens(state, positions[rows], token_ids[rows],
+                           hidden_states[rows] if hidden_states is not None else None)
+
     def observes_tokens(self, state: RequestState) -> bool:
         """Whether on_tokens must see this request's tokens (a per-request
         host call in every forward): by default when the policy needs token

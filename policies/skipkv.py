@@ -9,7 +9,8 @@ over its budget drops whole redundant sentences first, then its tokens of
 lowest R-KV score (policies.rkv_scores) minus lambda_ij for tokens of a
 redundant sentence (policies.skipkv_select).
 
-Host/device split: on_tokens queues each request's tokens; step_inputs
+Host/device split: on_forward_tokens queues every request's tokens of a forward at
+once (one copy of the forward's tensors, no per-request slices); step_inputs
 folds the queue of every request into the device state at once
 (policies.skipkv_book: no sync), reads the finished-sentence counts back
 every `refresh` decode steps and, when a sentence was finished since, the
@@ -77,16 +78,27 @@ class SkipKVPolicy(RKVBase):
 
     # ----- host, once per forward ---------------------------------------------
     def on_tokens(self, state: SkipKVState, positions, token_ids, hidden_states) -> None:
-        if not state.decoding or hidden_states is None or state.pool_row < 0:
-            return  # prompt tokens: sentences are cut from generated tokens only
+        self.on_forward_tokens([(state, 0, token_ids.shape[0])], positions, token_ids, hidden_states)
+
+    def on_forward_tokens(self, requests, positions, token_ids, hidden_states) -> None:
+        # Every generating request's tokens of this forward in one queue
+        # entry of the book (a copy of each tensor, not three slices per request).
+        if hidden_states is None:
+            return
         if self.book is None:
             delimiters = self._delimiter_table(hidden_states.device)
             if delimiters is None:
                 return
             self.book = SentenceBook(delimiters, hidden_states.shape[-1], hidden_states.device)
-        if state.sentences is None:
-            state.sentences = self.book.open(state.pool_row)
-        self.book.add(state.sentences, positions, token_ids, hidden_states)
+        taken = []
+        for state, start, n in requests:
+            if not state.decoding or state.pool_row < 0:
+                continue  # prompt tokens: sentences are cut from generated tokens only
+            if state.sentences is None:
+                state.sentences = self.book.open(state.pool_row)
+            taken.append((state.sentences, start, n))
+        if taken:
+            self.book.add_forward(taken, positions, token_ids, hidden_states)
 
     def _delimiter_table(self, device) -> Optional[torch.Tensor]:
         if self._delimiters is None or self._delimiters.device != torch.device(device):

@@ -81,7 +81,6 @@ class SentenceBook:
         self.ranges = _Ranges()
         #: (request, tokens, then (copy, first row) of its positions, ids, hidden states)
         self.queue: list[tuple] = []
-        self._copies: dict = {}  # this forward's copied tensors (until the next flush)
         self._opening: list[RowSentences] = []
 
     # ----- host bookkeeping -------------------------------------------------------
@@ -101,24 +100,19 @@ class SentenceBook:
             rs.base = -1
 
     def add(self, rs: RowSentences, positions: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Queue a forward's generated tokens of one request. The tensors are
-        slices of the forward's; the engine may write into those after the
-        forward (positions, input ids), so each forward's tensor is copied
-        once, for all its requests, and the queue holds slices of the copy."""
-        T = token_ids.shape[0]
-        rs.since += T
-        self.queue.append((rs, T, self._snapshot(positions), self._snapshot(token_ids), self._snapshot(hidden)))
+        """Queue one request's generated tokens (all of the tensors' rows)."""
+        self.add_forward([(rs, 0, token_ids.shape[0])], positions, token_ids, hidden)
 
-    def _snapshot(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(a copy holding t's rows, the first of them)."""
-        base = t._base
-        if base is None or base.dim() != t.dim() or base.shape[1:] != t.shape[1:] or not base.is_contiguous():
-            return t.clone(), 0  # not a row slice of a larger tensor: a copy of its own
-        key = (base.data_ptr(), tuple(base.shape), base.dtype)
-        held = self._copies.get(key)
-        if held is None:
-            held = self._copies[key] = (base, base.clone())  # the base is held so no other takes its memory
-        return held[1], (t.storage_offset() - base.storage_offset()) // max(base.stride(0), 1)
+    def add_forward(self, requests: list, positions: torch.Tensor, token_ids: torch.Tensor,
+                    hidden: torch.Tensor) -> None:
+        """Queue a forward's generated tokens of many requests at once:
+        `requests` holds (RowSentences, first token, count) into the whole
+        forward's tensors, copied once here (the engine may write into them
+        after the forward), so the queue holds offsets into the copies."""
+        pos, ids, hid = positions.clone(), token_ids.clone(), hidden.clone()
+        for rs, start, n in requests:
+            rs.since += n
+            self.queue.append((rs, n, (pos, start), (ids, start), (hid, start)))
 
     def _grow_rows(self, n: int) -> None:
         have = self.count.shape[0]
@@ -165,7 +159,7 @@ class SentenceBook:
             self.base[rows] = self._index([rs.base for rs in self._opening])
             self._opening = []
         queue = [q for q in self.queue if not q[0].closed]
-        self.queue, self._copies = [], {}
+        self.queue = []
         for rs, *_ in queue:
             self._fit(rs)
         # Waves: the t-th token of each entry, rows unique within a wave (a

@@ -365,15 +365,16 @@ class KVRuntime:
         hidden states of their private tokens in this forward."""
         extend = forward_batch.forward_mode.is_extend()
         lengths = forward_batch.extend_seq_lens_cpu if extend else [1] * len(forward_batch.rids)
+        by_policy: dict = {}  # one call per policy, not per request
         start = 0
         for rid, n in zip(forward_batch.rids, lengths):
             req = self.requests.get(rid)
             if rid in self.token_observers and req is not None and not req.overflowed:
-                rows = slice(start, start + n)
-                wants_hidden = bool(req.policy.needs & Need.HIDDEN_STATES)
-                req.policy.on_tokens(req.state, forward_batch.positions[rows], input_ids[rows],
-                                     hidden[rows] if wants_hidden else None)
+                by_policy.setdefault(req.policy, []).append((req.state, start, n))
             start += n
+        for policy, requests in by_policy.items():
+            wants_hidden = bool(policy.needs & Need.HIDDEN_STATES)
+            policy.on_forward_tokens(requests, forward_batch.positions, input_ids, hidden if wants_hidden else None)
 
 
 RUNTIME = KVRuntime()
