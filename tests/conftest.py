@@ -1,5 +1,23 @@
 """Shared fixtures: tiny checkpoints built here, and real `kvsieve serve`
-processes (real SGLang engine on CPU) started on them."""
+processes (real SGLang engine on CPU) started on them.
+
+A server start costs 30-60 s on a 2-core machine, so a test that can share a
+server takes one of these session fixtures instead of starting its own:
+
+    llama_server    tiny Llama, default settings, presets file ("lossless")
+    qwen3_server    tiny Qwen3, default settings
+    chunked_server  tiny Llama, --chunked-prefill-size 16
+    guarded_server  tiny Llama, API keys on, store in a real Redis, small caps
+
+Each is started by the first test that asks for it and stopped (and checked
+to exit 0) at the end of the session. Shared means shared state: the radix
+cache holds earlier tests' prompts and the counters are cumulative, so a test
+reads `kv_usage.prefix_cache_hit_tokens` instead of assuming none, starts
+its prompts with ids no other test uses where it needs no hit, and compares
+counters before and after. A test whose server settings differ from all of
+these starts its own, module-scoped (`start_server`), so it is stopped when
+its module ends.
+"""
 
 from __future__ import annotations
 
@@ -91,17 +109,29 @@ def presets_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_server(tiny_llama, presets_file, tmp_path_factory):
+    """Tiny Llama with SGLang's defaults and a presets file ({"lossless": full})."""
     server = start_server(tmp_path_factory.mktemp("logs"), "--model", str(tiny_llama),
                           "--presets", str(presets_file))
     yield server
-    server.stop()
+    assert server.stop() == 0, server.log()
 
 
 @pytest.fixture(scope="session")
 def qwen3_server(tiny_qwen3, tmp_path_factory):
+    """Tiny Qwen3 with SGLang's defaults."""
     server = start_server(tmp_path_factory.mktemp("logs"), "--model", str(tiny_qwen3))
     yield server
-    server.stop()
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="session")
+def chunked_server(tiny_llama, tmp_path_factory):
+    """Tiny Llama with 16-token prefill chunks: a longer prompt is prefilled
+    (and stored in the region) over several extend passes."""
+    server = start_server(tmp_path_factory.mktemp("chunked"), "--model", str(tiny_llama),
+                          "--chunked-prefill-size", "16")
+    yield server
+    assert server.stop() == 0, server.log()
 
 
 # ----- scale-out (issue #11): a real redis-server, and a guarded server -----
@@ -208,7 +238,7 @@ def guarded_server(tiny_llama, session_redis, tmp_path_factory):
     key = created.stdout.strip()
     server = start_keyed_server(workdir, key, "--model", str(tiny_llama), "--config", str(config), env=env)
     yield GuardedServer(server, session_redis, env, key)
-    server.stop()
+    assert server.stop() == 0, server.log()
 
 
 def start_keyed_server(log_dir: Path, key: str, *args: str, timeout: float = 600, env: dict | None = None) -> Server:

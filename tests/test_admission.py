@@ -5,6 +5,7 @@ Generated tokens of compressed requests take no pool slot."""
 import asyncio
 
 import httpx
+import pytest
 
 from conftest import start_server
 from test_compressed import metric, region_idle
@@ -27,25 +28,32 @@ async def run_batch(server, policy, prompts):
         return [t.result() for t in tasks], int(peak)
 
 
-def test_compressed_requests_fit_where_full_ones_do_not(tiny_llama, tmp_path):
-    server = start_server(tmp_path, "--model", str(tiny_llama), "--max-total-tokens", "256")
-    try:
-        prompts = [[i + 1, 20, 30, 40] for i in range(N)]
-        full, full_peak = asyncio.run(run_batch(server, "full", prompts))
-        compressed, compressed_peak = asyncio.run(
-            run_batch(server, {"name": "h2o", "budget": 16, "compress_prompt": True}, [[p[0] + 100, *p[1:]] for p in prompts]))
-        assert all(r["usage"]["completion_tokens"] == NEW for r in full + compressed)
-        assert all(r["kv_usage"]["retained_tokens"] == 16 for r in compressed)
-        # Each full request needs ~125 of the 256 pool tokens; a compressed
-        # one needs its 4 prompt tokens plus a page.
-        assert compressed_peak == N
-        assert full_peak < N
-        assert region_idle(server)
-    finally:
-        assert server.stop() == 0, server.log()
+@pytest.fixture(scope="module")
+def small_pool_server(tiny_llama, tmp_path_factory):
+    """A 256-token pool, shared by the two tests below: each ends with the
+    region idle, and the radix cache they leave is evictable pool space."""
+    server = start_server(tmp_path_factory.mktemp("small-pool"), "--model", str(tiny_llama),
+                          "--max-total-tokens", "256")
+    yield server
+    assert server.stop() == 0, server.log()
 
 
-def test_prompt_memory_returns_after_prefill(tiny_llama, tmp_path):
+def test_compressed_requests_fit_where_full_ones_do_not(small_pool_server):
+    server = small_pool_server
+    prompts = [[i + 1, 20, 30, 40] for i in range(N)]
+    full, full_peak = asyncio.run(run_batch(server, "full", prompts))
+    compressed, compressed_peak = asyncio.run(
+        run_batch(server, {"name": "h2o", "budget": 16, "compress_prompt": True}, [[p[0] + 100, *p[1:]] for p in prompts]))
+    assert all(r["usage"]["completion_tokens"] == NEW for r in full + compressed)
+    assert all(r["kv_usage"]["retained_tokens"] == 16 for r in compressed)
+    # Each full request needs ~125 of the 256 pool tokens; a compressed
+    # one needs its 4 prompt tokens plus a page.
+    assert compressed_peak == N
+    assert full_peak < N
+    assert region_idle(server)
+
+
+def test_prompt_memory_returns_after_prefill(small_pool_server):
     """Three prompts of 150 private tokens, streaming with budget 16, in a
     256-token pool and its default 64-page region (2 layers x 2 kv heads).
 
@@ -55,22 +63,20 @@ def test_prompt_memory_returns_after_prefill(tiny_llama, tmp_path):
     prompt is held (40 in all); after the policy cuts it, it holds 3 per head
     (sinks in page 0, the recent tokens in pages 8-9), so the reservation
     shrinks to 12 and 12 + 12 + 40 fit in 64."""
-    server = start_server(tmp_path, "--model", str(tiny_llama), "--max-total-tokens", "256")
-    try:
-        assert "64 pages x 16 slots" in server.log()
-        prompts = [[i + 1] + [(7 * j + 13 * i) % 300 + 50 for j in range(149)] for i in range(3)]
-        results, peak = asyncio.run(run_batch(server, {"name": "streaming", "budget": 16, "compress_prompt": True}, prompts))
-        assert all(r["usage"]["completion_tokens"] == NEW for r in results)
-        assert all(r["kv_usage"]["retained_tokens"] == 16 for r in results)
-        assert peak == 3
-        assert region_idle(server)
-        assert metric(server, "kvsieve_region_reserved_pages") == 0
-        # The pool is whole again: a full request of 240 tokens fits.
-        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-            "prompt": prompts[0] + prompts[1][:50], "max_tokens": 40, "ignore_eos": True, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
-    finally:
-        assert server.stop() == 0, server.log()
+    server = small_pool_server
+    assert "64 pages x 16 slots" in server.log()
+    # First ids the test above did not use (it shares this server): no radix hit.
+    prompts = [[N + 1 + i] + [(7 * j + 13 * i) % 300 + 50 for j in range(149)] for i in range(3)]
+    results, peak = asyncio.run(run_batch(server, {"name": "streaming", "budget": 16, "compress_prompt": True}, prompts))
+    assert all(r["usage"]["completion_tokens"] == NEW for r in results)
+    assert all(r["kv_usage"]["retained_tokens"] == 16 for r in results)
+    assert peak == 3
+    assert region_idle(server)
+    assert metric(server, "kvsieve_region_reserved_pages") == 0
+    # The pool is whole again: a full request of 240 tokens fits.
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "prompt": prompts[0] + prompts[1][:50], "max_tokens": 40, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
 
 
 def test_retracted_requests_come_back_and_compressed_ones_go_last(tiny_llama, tmp_path):

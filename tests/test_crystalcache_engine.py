@@ -9,8 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvsieve.policies import get_policy
-from kvsieve.policies.crystalcache import CrystalCacheParams
-from conftest import start_server
+from kvsieve.policies.crystalcache.policy import CrystalCacheParams
 from test_compressed import complete, region_idle
 
 LAYERS = 2  # the tiny Llama's
@@ -93,20 +92,17 @@ def test_a_kept_prompt_and_generated_trunks(llama_server):
     assert kv["evicted_tokens"] == 140 - generated_retained > 0
 
 
-def test_chunked_prefill_probes_the_whole_prompt(llama_server, tiny_llama, tmp_path):
-    # 16-token prefill chunks: the first layer's probe spans 19 extends (one
-    # CrystalCache chunk split across all of them) and selects as many
-    # prompt tokens as the unchunked server does (the first layer's q and k
-    # do not depend on the chunking); 8 generated tokens, no breath cycle.
+def test_chunked_prefill_probes_the_whole_prompt(llama_server, chunked_server):
+    # 16-token prefill chunks (the session's chunked server, whose clean exit
+    # is checked at the session's end): the first layer's probe spans 19
+    # extends (one CrystalCache chunk split across all of them) and selects
+    # as many prompt tokens as the unchunked server does (the first layer's
+    # q and k do not depend on the chunking); 8 generated tokens, no breath cycle.
     prompt = [406] + [20 + (11 * i) % 300 for i in range(299)]
     policy = {"name": "crystalcache", "budget": 140}
     whole = complete(llama_server, prompt, policy, max_tokens=8)["kv_usage"]
-    server = start_server(tmp_path, "--model", str(tiny_llama), "--chunked-prefill-size", "16")
-    try:
-        chunked = complete(server, prompt, policy, max_tokens=8)["kv_usage"]
-        assert region_idle(server)
-    finally:
-        assert server.stop() == 0, server.log()
+    chunked = complete(chunked_server, prompt, policy, max_tokens=8)["kv_usage"]
+    assert region_idle(chunked_server)
     assert whole["prefix_cache_hit_tokens"] == chunked["prefix_cache_hit_tokens"] == 0
     assert chunked["retained_tokens"] == whole["retained_tokens"] < len(prompt)
     assert chunked["evicted_tokens"] == whole["evicted_tokens"] == len(prompt) + 8 - whole["retained_tokens"]

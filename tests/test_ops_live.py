@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, start_server
+from conftest import free_port
 from ops.paths import DASHBOARDS, LOADTEST, ROOT, RULES
 from ops.prometheus import Prometheus, has_values, scrape_config_for
 from ops.promql import dashboard_queries, dashboard_variable_queries, metric_names, rules
@@ -26,10 +26,12 @@ POLICIES = ("full", "streaming", "h2o", "snapkv", "longflow")
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
-    """Server, Prometheus and one smoke run; yields what the tests look at."""
+def stack(llama_server, tmp_path_factory):
+    """Server (the session's tiny Llama: the counters and gauges read here are
+    rates over this run, label sets, or idle values), Prometheus and one smoke
+    run; yields what the tests look at."""
     work = tmp_path_factory.mktemp("ops-live")
-    server = start_server(work, "--model", str(tiny_llama))
+    server = llama_server
     prom = Prometheus(work, scrape_config_for(server.url.removeprefix("http://")), free_port())
     try:
         out = work / "smoke"
@@ -44,7 +46,6 @@ def stack(tiny_llama, tmp_path_factory):
         yield {"server": server, "prom": prom, "run": run, "out": out, "start": start, "end": time.time()}
     finally:
         prom.stop()
-        server.stop()
 
 
 def exported_names(server) -> set[str]:
