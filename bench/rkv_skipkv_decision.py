@@ -134,7 +134,7 @@ def redundancy_error(rows: int = 16, heads: int = 8, slots: int = 1040, dim: int
     """key_redundancy on bf16 keys (the GPU's 16-bit products) against the
     same keys in float32, and how often the two disagree on a head's
     least redundant half."""
-    from kvsieve.policies.rkv_scores import key_redundancy
+    from kvsieve.policies.skipkv.rkv_scores import key_redundancy
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     keys = (torch.randn(rows, heads, slots, dim, device="cuda", generator=gen)

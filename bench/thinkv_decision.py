@@ -23,7 +23,7 @@ import torch
 
 from kvsieve.policies import Observations, PolicyBatch, SlotView, get_policy
 from kvsieve.policies.base import StepRow
-from kvsieve.policies.thinkv_calibration import Calibration
+from kvsieve.policies.thinkv.calibration import Calibration
 
 
 def run(rows: int, steps: int, budget: int, heads: int, dim: int, seed: int = 0, profile: bool = False) -> dict:

@@ -1,9 +1,9 @@
 """Compression policies: pure PyTorch, engine-agnostic (import kvsieve.policies)."""
 
-from . import full, h2o, longflow, snapkv, streaming, thinkv  # noqa: F401  (register the policies)
-from . import rkv, skipkv  # noqa: F401,E402  (register the policies)
-from . import crystal_kv  # noqa: F401,E402  (register the policy)
-from . import crystalcache  # noqa: F401,E402  (register the policy)
+# One module per simple policy, one package per seed method (thinkv, crystal_kv,
+# skipkv with rkv, crystalcache): importing them registers the policies.
+from . import full, h2o, longflow, snapkv, streaming  # noqa: F401
+from . import crystal_kv, crystalcache, skipkv, thinkv  # noqa: F401
 from .base import Policy, PolicyParams, RequestState
 from .observations import Need, Observations, PolicyBatch, PromptAttention, SlotView
 from .registry import POLICY_MODULES_ENV, get_policy, load_policy_modules, policy_names, register_policy

@@ -5,7 +5,7 @@ Greedy-decodes a set of reasoning prompts, records for every decode step and
 layer the attention sparsity (the share of a query head's probabilities
 below 1% of its row's maximum, averaged over the heads: the engine's
 definition, kernels/attention_ref.py), runs the KDE analysis
-(policies.thinkv_calibration.calibrate) and stores {model, layers,
+(policies.thinkv.calibration.calibrate) and stores {model, layers,
 thresholds} in the store under ("thinkv", model name).
 
 Prompts come from a small seeded generator of arithmetic and logic word
@@ -125,7 +125,7 @@ def run(args, open_store) -> int:
             return 2
     from tqdm import tqdm
 
-    from kvsieve.policies.thinkv_calibration import ARTIFACT_KIND, Calibration, calibrate
+    from kvsieve.policies.thinkv.calibration import ARTIFACT_KIND, Calibration, calibrate
 
     from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
 

@@ -67,7 +67,7 @@ def serve(args) -> None:
         model_path = str(ensure_default_model())
         model_name = args.served_model_name or DEFAULT_MODEL_NAME
     # The scheduler process looks calibration artifacts up under the name the
-    # API serves (policies.thinkv_calibration.artifact_key).
+    # API serves (policies.thinkv.calibration.artifact_key).
     os.environ["KVSIEVE_SERVED_MODEL_NAME"] = model_name
 
     started = time.monotonic()

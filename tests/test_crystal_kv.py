@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsieve.policies import KVPolicyError, Observations, parse_kv_policy
-from kvsieve.policies.crystal_kv import hits_of
+from kvsieve.policies.crystal_kv.policy import hits_of
 
 import pytest
 from test_policy_algorithms import H, S, apply, batch_of, empty_view, held_positions, store
@@ -90,7 +90,7 @@ def test_adaptive_realloc_reads_the_crf_sums_and_feeds_per_head_budgets():
     # shares .75, .25 of 16 after floors of 1: 14 * .75 = 10.5, 3.5 -> 10 + 1,
     # 3 + 1, one left to the tie's first (layer 0) -> [[12], [4]].
     from kvsieve.policies.base import ModelInfo, StepRow
-    from kvsieve.policies.crystal_kv import CrystalKVPolicy
+    from kvsieve.policies.crystal_kv.policy import CrystalKVPolicy
 
     policy = CrystalKVPolicy()  # its own instance: the buffer and model stay out of other tests
     policy.bind_model(ModelInfo(name="t", num_layers=2, num_kv_heads=1, num_q_heads=1, head_dim=4,

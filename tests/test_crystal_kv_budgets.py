@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsieve.policies.crystal_kv_budgets import largest_remainder, reallocate_budgets
+from kvsieve.policies.crystal_kv.budgets import largest_remainder, reallocate_budgets
 
 
 def test_algorithm_2_on_a_known_crf_table_without_a_floor():

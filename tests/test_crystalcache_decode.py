@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kvsieve.policies.crystalcache_decode import active_trunks, breath_cycle, decay_crystal, hebbian, resonate
+from kvsieve.policies.crystalcache.decode import active_trunks, breath_cycle, decay_crystal, hebbian, resonate
 
 
 def test_d_decay_is_slower_for_high_m():

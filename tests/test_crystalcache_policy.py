@@ -10,7 +10,7 @@ import torch
 
 from kvsieve.policies import parse_kv_policy
 from kvsieve.policies.base import ModelInfo, StepRow
-from kvsieve.policies.crystalcache import CrystalCachePolicy, CrystalCacheParams, budget_floor
+from kvsieve.policies.crystalcache.policy import CrystalCachePolicy, CrystalCacheParams, budget_floor
 from kvsieve.policies.observations import Observations, PolicyBatch, SlotView
 from kvsieve.radix_ext import layer0_probe
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsieve.policies.crystalcache_prefill import (
+from kvsieve.policies.crystalcache.prefill import (
     branch_dissolve, build_trunks, crystallization, encoding_impact, prefill_budget, prefill_keep,
     saliency_and_edges, sentences, trunk_graph, trunk_impact)
 

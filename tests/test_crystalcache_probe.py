@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kvsieve.policies.crystalcache import CrystalCachePolicy, CrystalCacheParams, prompt_edges
-from kvsieve.policies.crystalcache_prefill import prefill_keep, saliency_and_edges
+from kvsieve.policies.crystalcache.policy import CrystalCachePolicy, CrystalCacheParams, prompt_edges
+from kvsieve.policies.crystalcache.prefill import prefill_keep, saliency_and_edges
 from kvsieve.policies.base import ModelInfo
 from kvsieve.radix_ext import layer0_probe
 

@@ -3,7 +3,7 @@ every head), checked slot by slot by hand."""
 
 import torch
 
-from kvsieve.policies.crystalcache_select import evict_outside, keep_table
+from kvsieve.policies.crystalcache.select import evict_outside, keep_table
 from kvsieve.policies.observations import SlotView
 
 

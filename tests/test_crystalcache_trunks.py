@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from kvsieve.policies.crystalcache_prefill import Dissolution, PrefillResult
-from kvsieve.policies.crystalcache_trunks import CrystalTrunks
+from kvsieve.policies.crystalcache.prefill import Dissolution, PrefillResult
+from kvsieve.policies.crystalcache.trunks import CrystalTrunks
 
 
 def _table():

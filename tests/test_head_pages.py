@@ -118,7 +118,7 @@ def test_crystal_kv_realloc_moves_pages_a_step_later_through_plan_head_pages():
 
     from kvsieve.policies import parse_kv_policy
     from kvsieve.policies.base import ModelInfo
-    from kvsieve.policies.crystal_kv import CrystalKVPolicy
+    from kvsieve.policies.crystal_kv.policy import CrystalKVPolicy
     from kvsieve.radix_ext.head_pages import plan_head_pages
 
     m = manager()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvsieve.policies import Observations, PolicyBatch, SlotView, get_policy, parse_kv_policy, KVPolicyError
 from kvsieve.policies.base import StepRow
-from kvsieve.policies.rkv_scores import key_redundancy, observe_attention
+from kvsieve.policies.skipkv.rkv_scores import key_redundancy, observe_attention
 
 
 def view_of(positions, keys, S=None):

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from kvsieve.policies import KVPolicyError, Observations, SlotView, get_policy, parse_kv_policy
 from kvsieve.policies.base import ModelInfo, StepRow
-from kvsieve.policies.skipkv_select import FAR, skipkv_evict
-from kvsieve.policies.skipkv_book import MIN_RANGE, SentenceBook, delimiter_table
-from kvsieve.policies.skipkv_sentences import RedundantSpans, redundant_sentences
+from kvsieve.policies.skipkv.select import FAR, skipkv_evict
+from kvsieve.policies.skipkv.book import MIN_RANGE, SentenceBook, delimiter_table
+from kvsieve.policies.skipkv.sentences import RedundantSpans, redundant_sentences
 
 from test_rkv import apply, batch_of, empty_view, store
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from kvsieve.policies import Observations, PolicyBatch, SlotView, get_policy
 from kvsieve.policies.base import StepRow
-from kvsieve.policies.thinkv_calibration import Calibration, calibrate, density_of
-from kvsieve.policies.thinkv_segments import SegmentBook, Thought, classify
-from kvsieve.policies.thinkv_select import kmeans_medoids, tbe_evict
+from kvsieve.policies.thinkv.calibration import Calibration, calibrate, density_of
+from kvsieve.policies.thinkv.segments import SegmentBook, Thought, classify
+from kvsieve.policies.thinkv.select import kmeans_medoids, tbe_evict
 
 R_, E_, T_ = Thought.REASONING, Thought.EXECUTION, Thought.TRANSITION
 

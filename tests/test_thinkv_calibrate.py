@@ -11,7 +11,7 @@ import pytest
 from conftest import kvsieve_cli
 from kvsieve.policies import get_policy
 from kvsieve.policies.base import ModelInfo
-from kvsieve.policies.thinkv_calibration import ARTIFACT_KIND, SERVED_MODEL_ENV, fallback, lookup
+from kvsieve.policies.thinkv.calibration import ARTIFACT_KIND, SERVED_MODEL_ENV, fallback, lookup
 from kvsieve.service import calibrate as calibrate_cli
 from kvsieve.service.calibrate import calibration_prompts
 from kvsieve.service.store import FileStore

@@ -28,7 +28,7 @@ select_decode writes each head's sum of decayed CRF over its kept slots to
 a device buffer (per req_pool row, layer, head); every `realloc_interval`
 decode steps while thinking, the engine (radix_ext/head_pages.py) asks
 `realloc_head_budgets`, which reads that row back (the only sync, between
-steps) and runs crystal_kv_budgets.reallocate_budgets; the engine caps the
+steps) and runs budgets.reallocate_budgets; the engine caps the
 new budgets to the pages each head can be given, this step's decision
 evicts down to them, and the pages move between heads at the next step.
 A budget_ratio does not combine with it (the total must be fixed).
@@ -39,10 +39,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from .base import Policy, PolicyParams, RequestState
-from .crystal_kv_budgets import reallocate_budgets
-from .observations import Need, keep_top_k, newest_mask, rank_by_position, to_device
-from .registry import register_policy
+from ..base import Policy, PolicyParams, RequestState
+from .budgets import reallocate_budgets
+from ..observations import Need, keep_top_k, newest_mask, rank_by_position, to_device
+from ..registry import register_policy
 
 
 class CrystalKVParams(PolicyParams):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from kvsieve.policies.crystalcache_prefill import TAU_EDGE, Dissolution, branch_dissolve
+from kvsieve.policies.crystalcache.prefill import TAU_EDGE, Dissolution, branch_dissolve
 
 BETA0, D_C = 0.05, 2.0
 THETA_ACT = 0.3

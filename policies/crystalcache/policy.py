@@ -2,16 +2,16 @@
 one index set per request (every layer and head keeps the same positions),
 chosen over trunks (sentence groups) on the host.
 
-Prefill (S1-S6, policies.crystalcache_prefill): at the end of the private
+Prefill (S1-S6, policies.crystalcache.prefill): at the end of the private
 prompt the engine probes the first layer's attention chunk by chunk
 (Need.LAYER0_ATTENTION, radix_ext/layer0_probe.py) and hands the summary
 (saliency, intra- and cross-chunk edge candidates) to
 `prompt_attention_inputs`, which thresholds the edges, builds trunks, M_i,
 D, and dissolves branches down to B = max(floor, budget); the kept positions
 reach every layer's select_prefill as a keep table
-(policies.crystalcache_select).
+(policies.crystalcache.select).
 
-Decode (policies.crystalcache_decode / _trunks): decoded tokens are queued
+Decode (policies.crystalcache.decode / _trunks): decoded tokens are queued
 (on_tokens, device copies) and join the trunk table at each breath cycle.
 Every `breath` steps (64):
   * at step s = k*breath - 1 the first layer's decision snapshots, for the
@@ -52,16 +52,16 @@ from typing import Optional
 import torch
 from pydantic import Field
 
-from .base import Policy, PolicyParams, RequestState
-from .crystalcache_decode import decay_crystal
-from .crystalcache_prefill import (
+from ..base import Policy, PolicyParams, RequestState
+from .decode import decay_crystal
+from .prefill import (
     M_MAX, M_MIN, T_MAX, TAU_CROSS, TAU_INTRA, TOP_HEADS, Dissolution, PrefillResult, branch_dissolve,
     build_trunks, crystallization, encoding_impact, sentences, trunk_graph, trunk_impact,
 )
-from .crystalcache_select import evict_outside, keep_table
-from .crystalcache_trunks import CrystalTrunks
-from .observations import Need, PromptAttention, to_device
-from .registry import register_policy
+from .select import evict_outside, keep_table
+from .trunks import CrystalTrunks
+from ..observations import Need, PromptAttention, to_device
+from ..registry import register_policy
 
 
 class CrystalCacheParams(PolicyParams):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .observations import SlotView
+from ..observations import SlotView
 
 
 def keep_table(kept: list[list[int]], judged: list[int], width: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ from collections import Counter
 
 import torch
 
-from .crystalcache_decode import BREATH, breath_cycle, decay_crystal
-from .crystalcache_prefill import M_MAX, M_MIN, T_MAX, PrefillResult, trunk_impact
+from .decode import BREATH, breath_cycle, decay_crystal
+from .prefill import M_MAX, M_MIN, T_MAX, PrefillResult, trunk_impact
 
 
 class CrystalTrunks:

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .skipkv_sentences import RedundantSpans, redundant_sentences
+from .sentences import RedundantSpans, redundant_sentences
 
 #: Smallest range of the store a request owns (sentences).
 MIN_RANGE = 64
@@ -145,7 +145,7 @@ class SentenceBook:
         self.base[self._index([rs.row])] = self._index([base])
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        from .observations import to_device
+        from ..observations import to_device
 
         return to_device(values, torch.int64, self.device)
 

@@ -4,15 +4,15 @@ Generated tokens are cut into sentences at delimiter tokens (ModelInfo.
 delimiter_ids: ".", "?", "!" or a newline; the delimiter ends its sentence).
 A finished sentence's vector is the mean of the last layer's hidden states
 over its tokens; sentence i is redundant when a later sentence j has
-cos(v_i, v_j) > tau (policies.skipkv_sentences). Per (layer, kv_head), a head
+cos(v_i, v_j) > tau (policies.skipkv.sentences). Per (layer, kv_head), a head
 over its budget drops whole redundant sentences first, then its tokens of
-lowest R-KV score (policies.rkv_scores) minus lambda_ij for tokens of a
-redundant sentence (policies.skipkv_select).
+lowest R-KV score (policies.skipkv.rkv_scores) minus lambda_ij for tokens of a
+redundant sentence (policies.skipkv.select).
 
 Host/device split: on_forward_tokens queues every request's tokens of a forward at
 once (one copy of the forward's tensors, no per-request slices); step_inputs
 folds the queue of every request into the device state at once
-(policies.skipkv_book: no sync), reads the finished-sentence counts back
+(policies.skipkv.book: no sync), reads the finished-sentence counts back
 every `refresh` decode steps and, when a sentence was finished since, the
 redundant set (decision: refresh 16 by default, so a redundant sentence is
 seen up to 15 steps late; 1 reads every step). The spans reach the
@@ -33,14 +33,14 @@ from typing import Optional
 import torch
 from pydantic import Field
 
-from .base import RequestState, StepRow
-from .observations import Need, to_device
-from .registry import register_policy
+from ..base import RequestState, StepRow
+from ..observations import Need, to_device
+from ..registry import register_policy
 from .rkv import RKVBase, RKVParams
 from .rkv_scores import due_heads
-from .skipkv_book import RowSentences, SentenceBook, delimiter_table
-from .skipkv_select import FAR, skipkv_evict
-from .skipkv_sentences import RedundantSpans
+from .book import RowSentences, SentenceBook, delimiter_table
+from .select import FAR, skipkv_evict
+from .sentences import RedundantSpans
 
 logger = logging.getLogger(__name__)
 

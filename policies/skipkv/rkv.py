@@ -1,6 +1,6 @@
 """`rkv` (R-KV, the baseline of ThinKV, SkipKV and LongFlow): decode-time
 eviction per (layer, kv_head) by lambda_mix * importance - (1 - lambda_mix) *
-redundancy (policies.rkv_scores), keeping the newest `window` tokens.
+redundancy (policies.skipkv.rkv_scores), keeping the newest `window` tokens.
 
 Trigger (decision, exposed as `buffer`): a request decides every `buffer`
 decode steps (steps buffer-1, 2*buffer-1, ...), and then each head over its
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field, field_validator
 
-from .base import Policy, PolicyParams
-from .observations import Need
-from .registry import register_policy
-from .snapkv import odd_kernel
+from ..base import Policy, PolicyParams
+from ..observations import Need
+from ..registry import register_policy
+from ..snapkv import odd_kernel
 from .rkv_scores import (decides_at, due_heads, keep_recent_and_top, observe_attention, rkv_scores,
                          start_window_mean)
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from .observations import SlotView, keep_top_k, rank_by_position
-from .snapkv import pool_by_position
+from ..observations import SlotView, keep_top_k, rank_by_position
+from ..snapkv import pool_by_position
 
 #: Added to key norms before dividing (a zero key has similarity 0 to all).
 _EPS = 1e-8

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .observations import SlotView, keep_top_k
+from ..observations import SlotView, keep_top_k
 from .rkv_scores import protected_recent
 
 #: Padding of span tables: beyond every position.

@@ -1,6 +1,6 @@
 """skipkv's sentence-level decisions: the redundant set from sentence vectors
 (the mean of the last layer's hidden states over a sentence's tokens; the
-vectors are kept by policies.skipkv_book), and the redundant sentences as
+vectors are kept by policies.skipkv.book), and the redundant sentences as
 position spans for the per-layer eviction."""
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Decode steps are cut into segments of `refresh` tokens; each segment gets a
 thought type (T, R, E) from the attention sparsity of its first step,
 averaged over the query heads and the calibrated layers L*
-(policies.thinkv_calibration). When a transition segment ends, every earlier
+(policies.thinkv.calibration). When a transition segment ends, every earlier
 segment is annealed to the next level of the retention schedule; when the
 request holds more than its budget, the oldest segment of the least
 important type is. The host decides the per-segment targets once per step
-(policies.thinkv_segments, in step_inputs); every layer then cuts the
+(policies.thinkv.segments, in step_inputs); every layer then cuts the
 segments over target on the device, keeping the tokens nearest the
-centroids of a k-means over their post-RoPE keys (policies.thinkv_select).
+centroids of a k-means over their post-RoPE keys (policies.thinkv.select).
 
 Host/device hand-off: the sparsity of a refresh step is written to a
 per-request device buffer [max_rows, layers] in the forward and read back
@@ -25,12 +25,12 @@ from typing import Optional
 import torch
 from pydantic import Field, field_validator
 
-from . import thinkv_calibration as calib
-from .base import ModelInfo, Policy, PolicyParams, RequestState, StepRow
-from .observations import Need, to_device
-from .registry import register_policy
-from .thinkv_segments import SegmentBook, Thought, classify
-from .thinkv_select import segment_index, tbe_evict
+from . import calibration as calib
+from ..base import ModelInfo, Policy, PolicyParams, RequestState, StepRow
+from ..observations import Need, to_device
+from ..registry import register_policy
+from .segments import SegmentBook, Thought, classify
+from .select import segment_index, tbe_evict
 
 logger = logging.getLogger(__name__)
 

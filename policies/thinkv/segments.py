@@ -2,7 +2,7 @@
 each private token belongs to, its thought type, and how many of its tokens
 every (layer, kv head) keeps. Plain Python, run once per step per request in
 Policy.step_inputs; the device only applies the resulting per-segment targets
-(policies.thinkv_select).
+(policies.thinkv.select).
 
 Every (layer, head) keeps the same number of tokens of each segment (the
 anneals are decided here, per request, for all of them), so one count per

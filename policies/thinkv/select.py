@@ -4,7 +4,7 @@ nearest the centroids of a k-means over the segment's post-RoPE keys
 (ThinKV §4.3, appendix D.4). Batched over rows, heads, cut segments and
 centroids at once: no loop over any of them, no host sync.
 
-Inputs come from the host (policies.thinkv_segments through step_inputs):
+Inputs come from the host (policies.thinkv.segments through step_inputs):
 per row the segment targets and the segments it cuts in this step. A slot's
 segment follows from its position: decode step (position - gen_start) //
 refresh, where gen_start is the position of decode step 0.
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .observations import ranks_of
+from ..observations import ranks_of
 
 _BIG = 1 << 40  # segment stride in sort keys (positions stay far below it)
 _LAST = torch.iinfo(torch.int64).max
