@@ -21,6 +21,8 @@ from pydantic import ValidationError
 from kvsieve.policies import KVPolicyError, parse_kv_policy, policy_names
 from kvsieve.policies.catalog import catalog
 
+from .auto_policy import AutoPolicy, is_auto
+from .auto_policy import catalog_entry as auto_catalog_entry
 from .errors import APIError, bad_request, from_validation_error
 from .generation import Job, build_sampling_params, resolve_max_tokens, run_job
 from .metrics import GUARD_REJECTIONS, count_rejected, observe_kv_usage, render_metrics
@@ -60,6 +62,16 @@ class OpenAIServer:
         self.guards = None  # service.guards.Guards: live store presets, caps, timeout
         self.drain_deadline: Optional[float] = None  # see begin_drain
         self._waiting: set = set()  # timeout scopes of requests waiting for their next delta
+        # kv_policy "auto" (service/auto_policy.py): points of the calibration
+        # artifact this engine cannot run are left out.
+        self.auto = AutoPolicy(model_name, usable=self._servable)
+
+    def _servable(self, kv_policy: dict) -> bool:
+        try:
+            parse_kv_policy(kv_policy, served=self.engine.served_policies)
+            return True
+        except KVPolicyError:
+            return False
 
     @property
     def presets(self) -> dict:
@@ -142,15 +154,21 @@ class OpenAIServer:
                 param="model", code="model_not_found",
             )
 
-    def _policy(self, req):
+    def _policy(self, req) -> tuple:
+        """(the KVPolicySpec to run, the auto report or None)."""
+        value, auto = req.kv_policy, None
         try:
-            return parse_kv_policy(req.kv_policy, self.presets, served=self.engine.served_policies)
+            if is_auto(value):
+                mirror = self.guards.mirror if self.guards is not None else None
+                store, version = (mirror.store, mirror.version) if mirror is not None else (None, None)
+                value, auto = self.auto.resolve(value, store, version)
+            return parse_kv_policy(value, self.presets, served=self.engine.served_policies), auto
         except KVPolicyError as exc:
             raise bad_request(str(exc), param=exc.field) from None
 
     def _job(self, kind: str, req, input_ids: list[int], prompt_param: str) -> Job:
         self._check_model(req.model)
-        policy = self._policy(req)
+        policy, auto = self._policy(req)
         vocab = len(self.tokenizer)
         if not input_ids:  # an empty string tokenizes to nothing; the engine would fail on it
             raise bad_request(f"{prompt_param}: the prompt is empty", param=prompt_param)
@@ -171,6 +189,7 @@ class OpenAIServer:
             stream=req.stream,
             return_token_ids=req.return_token_ids,
             model=self.model_name,
+            auto=auto,
         )
 
     def chat_job(self, body: dict) -> Job:
@@ -343,7 +362,7 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
 
     @app.get("/v1/kv_policies")
     async def kv_policies():
-        return catalog(server.engine.served_policies, server.presets)
+        return {**catalog(server.engine.served_policies, server.presets), "auto": auto_catalog_entry()}
 
     @app.get("/health")
     async def health():

@@ -115,10 +115,17 @@ def add_parser(sub) -> None:
     t.add_argument("--max-layers", type=int, default=4, help="most calibrated layers kept (default 4)")
     t.add_argument("--seed", type=int, default=0, help="prompt generator seed")
     t.add_argument("--config", help="YAML settings file (store.url)")
+    from .auto_calibrate import add_parser as add_auto_parser
+
+    add_auto_parser(kinds)
 
 
 def run(args, open_store) -> int:
-    """The `kvsieve calibrate thinkv` command; open_store() gives the settings' store."""
+    """The `kvsieve calibrate thinkv|auto` command; open_store() gives the settings' store."""
+    if getattr(args, "kind", "thinkv") == "auto":
+        from .auto_calibrate import run as run_auto
+
+        return run_auto(args, open_store)
     for flag in ("prompts", "max_new_tokens", "max_layers"):
         if getattr(args, flag) < 1:
             print(f"kvsieve calibrate thinkv: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)

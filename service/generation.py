@@ -29,6 +29,8 @@ class Job:
     model: str
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    #: kv_policy "auto": how the policy was chosen (reported as kv_usage.auto).
+    auto: Optional[dict] = None
 
 
 @dataclass
@@ -123,6 +125,8 @@ def _usage(job: Job, meta_info: dict) -> tuple[dict, dict]:
     kv_usage = dict(kv_usage)
     if job.policy.preset:
         kv_usage["preset"] = job.policy.preset
+    if job.auto is not None:
+        kv_usage["auto"] = job.auto
     return usage, kv_usage
 
 

@@ -1,0 +1,72 @@
+"""The accuracy harness of issue #18 (bench/eval) at a tiny size, so that it
+cannot rot: two math problems, one needle and two delayed associations on
+the tiny Llama, `full` and one compressing policy at one budget plus its
+no-eviction reference, through the session's real `kvsieve serve`; then
+the resume (nothing is sent again) and the report (tables and PNG plots)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.eval", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_grid_runs_through_the_engine_resumes_and_reports(llama_server, tiny_llama, tmp_path):
+    out = tmp_path / "eval-tiny.json"
+    run = ["run", "--out", str(out), "--url", llama_server.url, "--model", str(tiny_llama),
+           "--tasks", "math,needle,da", "--math", "2", "--math-max-tokens", "24",
+           "--needle-lengths", "96", "--needle-depths", "0.5", "--da-distances", "96", "--da-samples", "1",
+           "--policies", "full,h2o", "--budgets", "16,ref"]
+    first = _harness(*run)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "eval grid" in first.stderr  # the progress bar
+    # 5 items (2 math, 1 needle, 2 DA) x (full, h2o@16, h2o@ref)
+    assert "15 requests run, 0 already done, 0 answered with an error" in first.stderr
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["model"] == "tiny-llama" and data["meta"]["concurrency"] == 1
+    assert [i["answer"] for i in data["items"]["math"]] == [str(int(i["answer"])) for i in data["items"]["math"]]
+    assert set(data["cells"]) == {f"{t}|{p}" for t in ("math", "needle", "da") for p in ("full|-", "h2o|16", "h2o|ref")}
+    for key, cell in data["cells"].items():
+        assert cell["done"] and len(cell["records"]) == len(data["items"][cell["task"]])
+        for rec in cell["records"].values():
+            assert rec["token_ids"] and rec["kv_usage"]["policy"] == cell["policy"]
+            assert isinstance(rec["correct"], bool)
+    # What each request sent: the needle/DA prompt is compressed for every
+    # policy, math follows h2o's default; ref's budget evicts nothing.
+    needle_rec = next(iter(data["cells"]["needle|h2o|16"]["records"].values()))
+    assert needle_rec["kv_policy"] == {"name": "h2o", "compress_prompt": True, "budget": 16}
+    assert needle_rec["kv_usage"]["evicted_tokens"] > 0
+    math_rec = next(iter(data["cells"]["math|h2o|16"]["records"].values()))
+    assert math_rec["kv_policy"] == {"name": "h2o", "budget": 16}
+    for rec in data["cells"]["needle|h2o|ref"]["records"].values():
+        assert rec["kv_usage"]["evicted_tokens"] == 0
+        assert rec["kv_policy"]["budget"] == rec["usage"]["prompt_tokens"] + 32 + 64
+
+    # Resume: the same command sends nothing.
+    again = _harness(*run)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 requests run, 15 already done" in again.stderr
+
+    # Report: tables with fidelity against ref and full, and the plots.
+    plots = tmp_path / "plots"
+    md = tmp_path / "tables.md"
+    rep = _harness("report", str(out), "--plots", str(plots), "--markdown", str(md))
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    text = md.read_text()
+    assert "| h2o | `16` |" in text and "vs ref: first divergence" in text
+    assert {p.name for p in plots.iterdir()} == {"eval-accuracy-tiny.png", "eval-fidelity-tiny.png"}
+
+
+def test_bad_budgets_and_policies_are_refused_before_anything_runs(tmp_path, tiny_llama):
+    bad = _harness("run", "--out", str(tmp_path / "x.json"), "--model", str(tiny_llama), "--budgets", "f2")
+    assert bad.returncode == 2 and "the fraction must be in (0, 1]" in bad.stderr
+    bad = _harness("run", "--out", str(tmp_path / "x.json"), "--model", str(tiny_llama), "--policies", "nope")
+    assert bad.returncode == 2 and "unknown policies: nope" in bad.stderr
+    assert not (tmp_path / "x.json").exists()
