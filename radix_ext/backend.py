@@ -38,8 +38,8 @@ from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
 from . import head_parallel, layer0_probe, region_graphs
-from .profiling import span
 from .model_info import build_model_info
+from .profiling import span
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
 from .step_meta import StepBuilder, StepMeta

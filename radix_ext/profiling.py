@@ -2,8 +2,9 @@
 
 bench/step_profile.py splits a decode step into model layers, attention,
 region writes, each policy's decision and host work by these names
-(`kvsieve.store`, `kvsieve.attend`, `kvsieve.decide.<policy>`,
-`kvsieve.evict`, `kvsieve.step_meta`, `kvsieve.step_inputs.<policy>`). Off
+(`kvsieve.store`, `kvsieve.attend`, `kvsieve.view`, `kvsieve.decide.<policy>`,
+`kvsieve.observe.<policy>`, `kvsieve.evict`, `kvsieve.step_meta`,
+`kvsieve.step_inputs.<policy>`). Off
 unless KVSIEVE_PROFILE_RANGES=1: a range costs a few microseconds of host
 time even with no profiler running, and a step opens about 150 of them.
 """
