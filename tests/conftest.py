@@ -66,6 +66,24 @@ class Server:
         return self.proc.wait(timeout=timeout)
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a server and its SGLang children: killed alone, the main
+    process leaves its scheduler behind, holding memory and CPU for the rest
+    of the session."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 def start_server(log_dir: Path, *args: str, timeout: float = 600, env: dict | None = None) -> Server:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
@@ -86,7 +104,7 @@ def start_server(log_dir: Path, *args: str, timeout: float = 600, env: dict | No
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    kill_tree(proc)
     raise TimeoutError(f"kvsieve serve did not come up:\n{log_path.read_text()}")
 
 
@@ -262,5 +280,5 @@ def start_keyed_server(log_dir: Path, key: str, *args: str, timeout: float = 600
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
+    kill_tree(proc)
     raise TimeoutError(f"kvsieve serve did not come up:\n{log_path.read_text()}")
