@@ -119,6 +119,8 @@ class RayConfig(_Section):
     ingress_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of the ingress and metrics hub, e.g. {'node:__internal_head__': 0.001} keeps them on the head node")
     node_ip_address: Optional[str] = Field(None, description="this process's node address in Ray; default: 127.0.0.1 when Ray runs in-process or ray.address is a loopback one (see service/scale/loopback.py)")
     proxy_location: Literal["HeadOnly", "EveryNode"] = Field("HeadOnly", description="where Serve runs its HTTP proxy (server.host:server.port)")
+    routing: Literal["pow2", "prefix"] = Field("pow2", description="engine replica choice: Serve's power of two choices, or prefix: by the prompt's first prefix_tokens tokens (service/scale/routing.py)")
+    prefix_tokens: int = Field(32, ge=1, description="leading prompt tokens that name a prefix for routing: prefix")
 
     @model_validator(mode="after")
     def _one_sizing(self) -> "RayConfig":

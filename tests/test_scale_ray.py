@@ -114,7 +114,7 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ray")
     config = workdir / "kvsieve.yaml"
     config.write_text(
-        f"ray:\n  replicas: 2\n  ingress_replicas: 2\n  num_cpus_per_replica: 1\n"
+        f"ray:\n  replicas: 2\n  ingress_replicas: 2\n  num_cpus_per_replica: 1\n  routing: prefix\n"
         f"  graceful_shutdown_timeout_s: {GRACE_S}\n  health_check_period_s: 2\n"
         "auth:\n  enabled: true\n"
         "limits:\n  max_tokens: 2000\n  request_timeout_s: 300\n"
@@ -268,6 +268,23 @@ def test_rate_limit_holds_across_ingress_replicas(ray_service):
     assert len({r.headers["x-kvsieve-ingress"] for r in answers}) == 2  # both ingress replicas answered
     refused = next(r for r in answers if r.status_code == 429)
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and int(refused.headers["Retry-After"]) >= 1
+
+
+def test_prefix_routing_keeps_a_prefix_on_one_replica(ray_service):
+    s = ray_service
+    # A shared "system prompt" (past the 32 routing tokens), then each user's own question.
+    system = "you are a careful assistant who checks every step of the proof " * 4
+    prompt_tokens, cached = [], []
+    for i in range(6):
+        r = s.post("/v1/completions", {"prompt": f"{system} user {i} asks about {i * 7}", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        prompt_tokens.append(usage["prompt_tokens"])
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    # Every request after the first finds the system prompt in its replica's
+    # radix cache: they all went to the same replica (with Serve's power of
+    # two choices the second one alone misses half the time).
+    assert all(c >= 0.8 * min(prompt_tokens) for c in cached[1:]), (cached, prompt_tokens)
 
 
 def test_client_disconnect_aborts_on_the_replica(ray_service):

@@ -46,6 +46,11 @@ def engine_deployment_options(settings: Settings, metrics_dir: str) -> dict:
     }
     if ray_cfg.engine_resources:
         options["ray_actor_options"]["resources"] = dict(ray_cfg.engine_resources)
+    if ray_cfg.routing == "prefix":
+        options["request_router_config"] = {
+            "request_router_class": "kvsieve.service.scale.routing:PrefixAffinityRouter",
+            "request_router_kwargs": {"prefix_tokens": ray_cfg.prefix_tokens},
+        }
     if ray_cfg.autoscaling is not None:
         a = ray_cfg.autoscaling
         options["autoscaling_config"] = {
