@@ -95,7 +95,7 @@ def run(args) -> int:
     cells = plan(tasks, policies, budgets)
     command = "python -m bench.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
-    def go(url: str) -> int:
+    def go(url: str, cells=cells) -> int:
         client = Client(url)
         results = Results(Path(args.out), new_meta(client.model, model_dir, cfg.to_json(), command, args.concurrency))
         with tqdm(total=total_items(items, cells), desc="eval grid", unit="req", file=sys.stderr,
@@ -109,8 +109,19 @@ def run(args) -> int:
 
     if args.url:
         return go(args.url)
+    # The full runs put their prompts in SGLang's radix cache; a compressed
+    # request whose prompt is found there keeps it whole (shared prefixes are
+    # never evicted per request), so its budget would not apply to the
+    # context. The compressed cells therefore run on a second, fresh server.
+    # (With --url, summary.py reports such prompt-cache hits per cell.)
+    full_cells = [c for c in cells if c.policy == "full"]
     with serve(model_dir, tuple(args.serve_arg)) as url:
-        return go(url)
+        code = go(url, full_cells)
+    rest = [c for c in cells if c.policy != "full"]
+    if code or not rest:
+        return code
+    with serve(model_dir, tuple(args.serve_arg)) as url:
+        return go(url, rest)
 
 
 def report_parser(sub) -> None:

@@ -88,13 +88,14 @@ def fidelity_tables(data: dict, cells: list[dict]) -> str:
                      "outputs / final-answer agreement, against the same policy with no eviction (`ref`, solo) "
                      "and against `full`.")
         lines.append("")
-        lines.append("| policy | budget | KV kept | evicted tokens | vs ref: first divergence | identical | "
-                     "answer agreement | vs full: first divergence | identical | answer agreement |")
-        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        lines.append("| policy | budget | KV kept | evicted tokens | prompt from radix cache | vs ref: first divergence | "
+                     "identical | answer agreement | vs full: first divergence | identical | answer agreement |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for c in sorted(rows, key=lambda c: (c["policy"], _budget_order(c["budget"]))):
             r, f = c.get("vs_ref"), c.get("vs_full")
             lines.append(
                 f"| {c['policy']} | `{c['budget']}` | {_pct(c.get('kv_fraction'))} | {_num(c.get('evicted_tokens'), 0)} | "
+                f"{_pct(c.get('prompt_cached'))} | "
                 + (f"{_num(r['first_divergence'])} | {_pct(r['identical'])} | {_pct(r['answer_agreement'])} | "
                    if r else "– | – | – | ")
                 + (f"{_num(f['first_divergence'])} | {_pct(f['identical'])} | {_pct(f['answer_agreement'])} |"

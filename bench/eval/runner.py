@@ -161,9 +161,19 @@ def kv_policy_for(cell: Cell, item: Item, full_record: Optional[dict], compress_
     return spec
 
 
-def run_item(client, cell: Cell, item: Item, full_record: Optional[dict], compress_mode: str = "task") -> dict:
+def request_item(client, cell: Cell, item: Item, full_record: Optional[dict], compress_mode: str = "task") -> tuple:
+    """(kv_policy sent, response): the part of an item that may run in a thread."""
     kv_policy = kv_policy_for(cell, item, full_record, compress_mode)
-    resp = client.chat(item.messages, item.max_tokens, kv_policy)
+    return kv_policy, client.chat(item.messages, item.max_tokens, kv_policy)
+
+
+def run_item(client, cell: Cell, item: Item, full_record: Optional[dict], compress_mode: str = "task") -> dict:
+    return make_record(item, *request_item(client, cell, item, full_record, compress_mode))
+
+
+def make_record(item: Item, kv_policy: dict, resp: dict) -> dict:
+    """The item's record, graded. In the main thread: math-verify's parse
+    times out with signal.alarm, which only the main thread may use."""
     record: dict = {"id": item.id, "kv_policy": kv_policy, "latency_s": round(resp["latency_s"], 3)}
     if "error" in resp:
         record.update(status=resp["status"], error=resp["error"])
@@ -197,11 +207,12 @@ def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list
             if progress:
                 progress(len(items[cell.task]) - len(todo))
 
-            def one(item: Item) -> dict:
-                return run_item(client, cell, item, full_records.get(item.id), compress_mode)
+            def one(item: Item) -> tuple:
+                return request_item(client, cell, item, full_records.get(item.id), compress_mode)
 
             outputs = pool.map(one, todo) if pool else map(one, todo)
-            for item, record in zip(todo, outputs):
+            for item, (kv_policy, resp) in zip(todo, outputs):
+                record = make_record(item, kv_policy, resp)
                 entry["records"][item.id] = record
                 counts["ran"] += 1
                 counts["errors"] += "error" in record

@@ -79,6 +79,11 @@ def summarize_cell(data: dict, key: str) -> dict:
     budgets = [r["kv_policy"].get("budget") for r in ok.values() if r["kv_policy"].get("budget") is not None]
     out["budget_tokens"] = mean(budgets) if budgets else None
     out["latency_s"] = mean(r["latency_s"] for r in ok.values())
+    # Share of the prompt served from SGLang's radix cache (kept whole,
+    # never under the budget): beyond the chat template's shared head, a
+    # hit means an earlier request on the same server had the same prompt.
+    out["prompt_cached"] = mean(r["kv_usage"].get("prefix_cache_hit_tokens", 0) / max(r["usage"]["prompt_tokens"], 1)
+                                for r in ok.values())
     if policy != "full":
         out["vs_full"] = fidelity(records, full)
         if budget != "ref":
