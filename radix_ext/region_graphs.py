@@ -160,22 +160,30 @@ class RegionGraphs:
         if graph is None:
             # This step for real, eagerly, on the static tensors; then capture
             # the same pass (recorded, not executed) for the next steps.
-            run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self.pool)
-                try:
-                    run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.pool = self.pool or graph.pool()
-            entry.graphs[layer.layer_id] = graph
+            def static_pass():
+                run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
+
+            static_pass()
+            entry.graphs[layer.layer_id] = self.capture(static_pass)
             self.captures += 1
         else:
             graph.replay()
             self.replays += 1
         o3[idx] = entry.o
         return True
+
+    def capture(self, static_pass):
+        """Record static_pass (it does not execute) as a CUDA graph whose
+        replay() runs it again on the entry's static tensors."""
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                static_pass()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.pool = self.pool or graph.pool()
+        return graph

@@ -1,8 +1,9 @@
 """The host side of the compressed decode pass's CUDA graphs
 (radix_ext/region_graphs.py): which steps are captured, under which key,
 and that a later step of the same shapes reuses the entry with its metadata
-copied in. Capture and replay need a GPU: tests/test_region_pass_gpu.py
-compares them with the eager pass there."""
+copied in. tests/test_region_pass.py runs the pass on the captured static
+tensors against the eager pass on CPU; recording and replaying a CUDA graph
+needs a GPU (tests_gpu/test_region_pass_cuda.py)."""
 
 from types import SimpleNamespace
 

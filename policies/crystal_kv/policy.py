@@ -92,7 +92,7 @@ class CrystalKVPolicy(Policy):
     Params = CrystalKVParams
     needs = Need.ATTENTION | Need.TOKEN_IDS
     keeps_slot_state = True
-    graph_safe = True  # tests/test_region_pass_gpu.py: replay equals the eager pass, no host sync
+    graph_safe = True  # tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync
     description = ("Attention-based LRFU per (layer, kv head) during thinking; stops at the end-of-think marker; "
                    "adaptive: per-head budgets from the heads' CRF (Algorithm 2), pages moved between heads.")
 

@@ -73,7 +73,7 @@ class ThinKVPolicy(Policy):
     name = "thinkv"
     Params = ThinKVParams
     needs = Need.SPARSITY | Need.KEYS
-    #: tests/test_region_pass_gpu.py: replay equals the eager pass, no host sync. A
+    #: tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync. A
     #: step that cuts has shapes of its own (segments, members, centroids) and
     #: runs eagerly unless the next step repeats them; the steps between cuts
     #: only record sparsity and replay one graph.

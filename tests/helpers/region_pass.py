@@ -1,7 +1,8 @@
 """The compressed decode pass outside SGLang: the real page manager, step
 builder and backend methods over a fake token pool and fake decode batches.
-tests/test_region_pass_gpu.py runs it; on a GPU it is where CUDA-graph
-replay and host syncs of the per-layer pass are checked."""
+tests/test_region_pass.py runs it on CPU in every CI run; on a GPU,
+tests_gpu/test_region_pass_cuda.py checks CUDA-graph replay and host syncs
+of the per-layer pass with it."""
 
 from __future__ import annotations
 
@@ -147,3 +148,44 @@ def random_qkv(rows: int, shapes: Shapes, generator: torch.Generator, device: st
     def draw(heads):
         return torch.randn(rows, heads, shapes.head_dim, dtype=dtype, device=device, generator=generator)
     return draw(shapes.q_heads), draw(shapes.kv_heads), draw(shapes.kv_heads)
+
+
+def run_steps(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shapes, budget: int, device: str,
+              dtype=torch.bfloat16, graphs=None) -> dict:
+    """Decode steps 0..steps-1 of `rows` requests on random q/k/v (seeded:
+    two calls see the same pool and inputs): every step's outputs, the
+    region's final state, and (captures, replays) when graphs ran."""
+    torch.manual_seed(0)  # the token pool's random prefix K/V
+    run = region_pass(policy, rows, prompt, steps, shapes=shapes, budget=budget, device=device, dtype=dtype,
+                      graphs=graphs)
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        outputs = torch.stack([run.step(s, *random_qkv(rows, shapes, gen, device, dtype)) for s in range(steps)])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        stats = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
+        return {"outputs": outputs, "state": run.region_state(), "captures_replays": stats}
+    finally:
+        run.close()
+
+
+def redundant_sentences(prompt: int):
+    """A stand-in for skipkv's step_inputs: no forward runs in this harness,
+    so no sentence ever ends and skipkv's spans stay empty; this hands every
+    row four redundant sentences over its generated positions (from prompt +
+    2 to prompt + 25), in a different eviction order per row, so that the
+    pass drops whole sentences."""
+    from kvsieve.policies.observations import to_device
+
+    def step_inputs(self, rows, device):
+        R = len(rows)
+        starts = torch.tensor([[prompt + 2, prompt + 8, prompt + 14, prompt + 22]] * R)
+        ends = starts + torch.tensor([4, 5, 7, 3])
+        penalty = torch.tensor([[0.95, 0.93, 0.97, 0.91]] * R)
+        rank = torch.tensor([[(i + r) % 4 for i in range(4)] for r in range(R)])
+        return {"span_starts": to_device(starts, torch.int64, device),
+                "span_ends": to_device(ends, torch.int64, device),
+                "span_penalty": to_device(penalty, torch.float32, device),
+                "span_rank": to_device(rank, torch.int64, device)}
+
+    return step_inputs

@@ -1,0 +1,84 @@
+"""The compressed decode pass outside SGLang, on CPU (tests/helpers/
+region_pass.py: the real page manager, step builder and backend pass), for
+every policy marked `graph_safe`:
+
+* the pass holds each policy's ceiling of private tokens per (layer, head);
+* the captured-graph path of radix_ext/region_graphs.py (metadata copied
+  into an entry's static tensors, q/k/v rows in, output rows out) equals the
+  eager pass bit for bit in every layer's output and the region's final
+  state; skipkv also with redundant sentences, so that whole sentences go.
+
+Recording a CUDA graph needs a GPU: here a replay runs the same pass again
+on the entry's static tensors, which is what a replay executes. On a GPU,
+tests_gpu/test_region_pass_cuda.py checks real capture and replay, and that
+the pass makes no host sync (its README gives the command)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvsieve.policies import get_policy, policy_names
+from kvsieve.radix_ext.region_graphs import RegionGraphs
+
+from helpers.region_pass import TINY, random_qkv, redundant_sentences, region_pass, run_steps
+
+GRAPH_SAFE = [n for n in policy_names() if get_policy(n).compresses and get_policy(n).graph_safe]
+# rkv and skipkv decide every 16 steps: 48 steps hold three decisions.
+ROWS, PROMPT, STEPS, BUDGET = 3, 8, 48, 8
+
+
+class RerunGraphs(RegionGraphs):
+    """RegionGraphs whose "graph" replays by running the captured pass again
+    on the entry's static tensors (the one part, CUDA recording, that needs a GPU)."""
+
+    def capture(self, static_pass):
+        return SimpleNamespace(replay=static_pass)
+
+
+@pytest.mark.parametrize("policy", GRAPH_SAFE)
+def test_the_pass_holds_the_policy_ceiling(policy):
+    steps, budget = 16, 8
+    run = region_pass(policy, rows=3, prompt=8, steps=steps, shapes=TINY, budget=budget, device="cpu",
+                      dtype=torch.float32)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for s in range(steps):
+            out = run.step(s, *random_qkv(3, TINY, gen, "cpu", torch.float32))
+            assert out.shape == (TINY.layers, 3, TINY.q_heads, TINY.head_dim)
+            assert torch.isfinite(out).all()
+        held = run.held_tokens_per_head()
+        if policy == "snapkv":  # selects at prefill only: every generated token stays
+            assert held == [steps] * 3
+        else:  # at most the policy's ceiling per (layer, kv head): the budget, its slack and the new token
+            cls = get_policy(policy)
+            ceiling = cls().max_private_tokens(cls.Params(), 0, steps, budget)
+            assert all(n <= ceiling for n in held) and max(held) > 0
+    finally:
+        run.close()
+
+
+def _assert_static_entries_equal_the_eager_pass(policy: str) -> None:
+    args = dict(rows=ROWS, prompt=PROMPT, steps=STEPS, shapes=TINY, budget=BUDGET, device="cpu",
+                dtype=torch.float32)
+    eager = run_steps(policy, **args)
+    graphed = run_steps(policy, **args, graphs=RerunGraphs())
+    captures, replays = graphed["captures_replays"]
+    # Shapes change on the steps where a policy's deciding rows change;
+    # most steps replay.
+    assert captures >= TINY.layers and replays > TINY.layers * STEPS // 2
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", GRAPH_SAFE)
+def test_the_pass_on_captured_static_tensors_equals_the_eager_pass(policy):
+    _assert_static_entries_equal_the_eager_pass(policy)
+
+
+def test_skipkv_on_captured_static_tensors_equals_the_eager_pass_with_redundant_sentences(monkeypatch):
+    monkeypatch.setattr(get_policy("skipkv"), "step_inputs", redundant_sentences(PROMPT))
+    _assert_static_entries_equal_the_eager_pass("skipkv")
