@@ -214,8 +214,9 @@ def _observe_kernel(
 
 
 def default_splits(keys: int) -> int:
-    """Chunks per (row, kv head): about 512 keys each, at most 16 (measured
-    on an H100: bench/results/gpu-kernels.json sweeps 1-32)."""
+    """Chunks per (row, kv head): about 512 keys each, at most 16 (chosen
+    from a sweep of 1-32 splits on an H100; bench/kernel_check.py compares
+    this default with 8 and 16 splits)."""
     return int(max(1, min(16, triton.cdiv(max(keys, 1), 512))))
 
 

@@ -128,8 +128,8 @@ class Policy:
     #: Whether select_decode may be captured in a CUDA graph and replayed
     #: (radix_ext/region_graphs.py): its only host inputs are shapes and
     #: parameter maxima, and it does not allocate state it keeps. Set it
-    #: once a GPU run shows the graph replay equals the eager pass
-    #: (bench/graph_probe.py).
+    #: once tests_gpu/test_region_pass_cuda.py passes for the policy on a
+    #: GPU (replay equals the eager pass, no host sync).
     graph_safe: ClassVar[bool] = False
 
     # ----- batched decisions (inside the forward) ---------------------------

@@ -64,7 +64,7 @@ class SkipKVState(RequestState):
 @register_policy
 class SkipKVPolicy(RKVBase):
     name = "skipkv"
-    graph_safe = True  # bench/results/graph-probe-rkv-skipkv.json: replay equals the eager pass
+    graph_safe = True  # tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync
     Params = SkipKVParams
     needs = Need.ATTENTION | Need.KEYS | Need.TOKEN_IDS | Need.HIDDEN_STATES
     description = "SkipKV: whole redundant sentences evicted first, then R-KV scores minus sentence redundancy."

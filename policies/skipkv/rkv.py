@@ -80,7 +80,7 @@ class RKVBase(Policy):
 @register_policy
 class RKVPolicy(RKVBase):
     name = "rkv"
-    graph_safe = True  # bench/results/graph-probe-rkv-skipkv.json: replay equals the eager pass
+    graph_safe = True  # tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync
     description = "R-KV: attention of the recent queries minus key redundancy; keeps the recent window."
 
     def select_prefill(self, batch, view, obs):
