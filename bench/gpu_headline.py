@@ -1,4 +1,4 @@
-"""The end-to-end headline (issue #8 item 5) in one device call:
+"""The end-to-end headline in one device call:
 
     python bench/gpu_headline.py MODEL_DIR OUT_DIR [--generate 8192,16384,32768] [--budgets 1024,2048]
         [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]

@@ -1,4 +1,4 @@
-"""Decision cost per policy per decode step (issue #9 item 9):
+"""Decision cost per policy per decode step:
 
     python bench/policy_cost.py OUT.json [--device cpu|cuda] [--batches 1,8,32 | --batch 256] [--budget 32]
                                          [--step-ms 256=MS,...] [--threads N]

@@ -1,4 +1,4 @@
-"""Integration step 4: admit a compressed request by its compressed ceiling.
+"""Admit a compressed request by its compressed ceiling.
 
 Token pool: a compressed request's generated tokens live in the compressed
 region (decode_slots.py), so in the pool it needs only its private prompt.

@@ -1,6 +1,6 @@
-"""Integration steps 2b and 3: compressed requests hold no token-pool slot
-of their own once their prefill ends. Their private KV lives only in the
-compressed region; in the pool they keep reading the radix-shared prefix.
+"""Compressed requests hold no token-pool slot of their own once their
+prefill ends. Their private KV lives only in the compressed region; in the
+pool they keep reading the radix-shared prefix.
 
 Private prompt: SGLang allocates pool slots for every prefilled token; the
 backend writes them there and into the region, but reads only the region.

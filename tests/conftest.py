@@ -152,7 +152,7 @@ def chunked_server(tiny_llama, tmp_path_factory):
     assert server.stop() == 0, server.log()
 
 
-# ----- scale-out (issue #11): a real redis-server, and a guarded server -----
+# ----- scale-out: a real redis-server, and a guarded server -----
 
 @dataclass
 class RedisServer:

@@ -1,7 +1,7 @@
 """radix_ext/layer0_probe.py against a dense softmax: the chunked, head-by-head
 probe of the first layer's prompt attention, fed in uneven extends (chunks
 split across them), gives the saliency and edge set of
-crystalcache_prefill.saliency_and_edges on the dense [H, n, n]
+policies/crystalcache/prefill.py's saliency_and_edges on the dense [H, n, n]
 probabilities (the private columns of the joint softmax with a shared
 prefix); and crystalcache's prefill selection built on it keeps what
 prefill_keep keeps."""

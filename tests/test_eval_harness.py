@@ -1,4 +1,4 @@
-"""The accuracy harness of issue #18 (bench/eval) at a tiny size, so that it
+"""The accuracy harness (bench/eval) at a tiny size, so that it
 cannot rot: two math problems, one needle and two delayed associations on
 the tiny Llama, `full` and one compressing policy at one budget plus its
 no-eviction reference, through the session's real `kvsieve serve`; then

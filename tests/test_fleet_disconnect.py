@@ -1,6 +1,6 @@
 """A client that goes away mid-stream: the request is aborted in the engine at
 once (SGLang's running-request gauge drops, the compressed region's pages
-come back) and the server logs no traceback (issue #20, item 6)."""
+come back) and the server logs no traceback."""
 
 import threading
 import time

@@ -1,5 +1,5 @@
 """Rate limits that hold cluster-wide: token buckets in a real redis-server,
-taken by a Lua script (issue #20, item 5). The HTTP side, with two ingress
+taken by a Lua script. The HTTP side, with two ingress
 replicas on Ray, is in tests/test_scale_ray.py."""
 
 import threading

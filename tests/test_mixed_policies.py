@@ -1,5 +1,5 @@
 """Every served policy in one batch: each request's greedy output equals its
-solo run (issue #9: "mixed policies in one batch equal their solo runs").
+solo run.
 A real `kvsieve serve` (the session's tiny Llama on CPU); the policy list
 comes from the registry, so a newly registered policy is covered here too."""
 

@@ -1,5 +1,5 @@
-"""The defects found in the first policies and the kv_policy parser
-(issue #9, item 7), each pinned by a hand-worked case. Every case here
+"""Defects found in the first policies and the kv_policy parser, each
+pinned by a hand-worked case. Every case here
 failed before its fix."""
 
 import pytest

@@ -107,7 +107,7 @@ def test_budget_ratio_counts_the_whole_prompt_in_every_layer(runtime):
 
 
 def test_h2o_observes_every_query_of_its_private_prompt(runtime):
-    # H2O accumulates attention from every prompt query (issue #9 item 7):
+    # H2O accumulates attention from every prompt query:
     # 100 private prompt tokens, all 100 queries observed, not the last 32.
     admit("a", {"name": "h2o", "budget": 16, "compress_prompt": True}, prompt_len=100, row=2)
     fb = SimpleNamespace(
