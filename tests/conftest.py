@@ -6,7 +6,8 @@ server takes one of these session fixtures instead of starting its own:
 
     llama_server    tiny Llama, default settings, presets file ("lossless")
     qwen3_server    tiny Qwen3, default settings
-    chunked_server  tiny Llama, --chunked-prefill-size 16
+    chunked_server  tiny Llama, --chunked-prefill-size 16, the test policy
+                    tests/policies_extra/recording_policy.py loaded
     guarded_server  tiny Llama, API keys on, store in a real Redis, small caps
 
 Each is started by the first test that asks for it and stopped (and checked
@@ -142,12 +143,18 @@ def qwen3_server(tiny_qwen3, tmp_path_factory):
     assert server.stop() == 0, server.log()
 
 
+EXTRA_POLICIES = Path(__file__).parent / "policies_extra"
+
+
 @pytest.fixture(scope="session")
 def chunked_server(tiny_llama, tmp_path_factory):
     """Tiny Llama with 16-token prefill chunks: a longer prompt is prefilled
-    (and stored in the region) over several extend passes."""
+    (and stored in the region) over several extend passes. It also serves
+    the test policy `test_recording` (tests/policies_extra), which only the
+    requests that name it use."""
     server = start_server(tmp_path_factory.mktemp("chunked"), "--model", str(tiny_llama),
-                          "--chunked-prefill-size", "16")
+                          "--chunked-prefill-size", "16", "--policy-module", "recording_policy",
+                          env={"PYTHONPATH": str(EXTRA_POLICIES)})
     yield server
     assert server.stop() == 0, server.log()
 
