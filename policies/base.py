@@ -80,6 +80,8 @@ class ModelInfo:
     delimiter_ids: frozenset = frozenset()
     #: The model's tokenizer (text -> ids), None when the engine has none.
     encode: Optional[Callable[[str], list]] = None
+    #: Its inverse (ids -> text), None when the engine has no tokenizer.
+    decode: Optional[Callable[[list], str]] = None
 
 
 @dataclass
@@ -216,6 +218,11 @@ class Policy:
 
     def end_request(self, state: RequestState) -> None:
         """The request ended (finished, aborted or failed)."""
+
+    def usage(self, state: RequestState) -> dict:
+        """Entries for the request's kv_usage record, taken as it ends, before
+        end_request (host; may read its device counters once)."""
+        return {}
 
     # ----- admission (host) ---------------------------------------------------
     def kept_after_prefill(self, params: PolicyParams, private_prompt: int, budget: int) -> int:

@@ -45,6 +45,7 @@ def build_model_info(model_runner, num_layers: int, num_kv_heads: int, head_dim:
     config = model_runner.model_config
     tokenizer = _tokenizer(model_runner)
     encode: Optional[callable] = None
+    decode: Optional[callable] = None
     delimiters: frozenset = frozenset()
     if tokenizer is not None:
         delimiters = delimiter_ids(tokenizer)
@@ -52,10 +53,13 @@ def build_model_info(model_runner, num_layers: int, num_kv_heads: int, head_dim:
         def encode(text: str) -> list:
             return tokenizer.encode(text, add_special_tokens=False)
 
+        def decode(ids: list) -> str:
+            return tokenizer.decode(ids)
+
     return ModelInfo(
         name=model_runner.server_args.served_model_name or model_runner.server_args.model_path,
         num_layers=num_layers, num_kv_heads=num_kv_heads,
         # This rank's query heads (tensor parallelism splits them like the kv heads).
         num_q_heads=getattr(config, "num_attention_heads", num_kv_heads) // head_parallel.SHARDS.size,
         head_dim=head_dim,
-        delimiter_ids=delimiters, encode=encode)
+        delimiter_ids=delimiters, encode=encode, decode=decode)

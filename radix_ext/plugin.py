@@ -174,7 +174,11 @@ def register() -> None:
         startup_checks.check_hooks_applied(REGISTERED)
         startup_checks.check_settings(model_runner.server_args, model_runner.model_config)
         startup_checks.check_sliding_window_layers(model_runner.model)
-        return KvsieveAttnBackend(model_runner)
+        backend = KvsieveAttnBackend(model_runner)
+        from .steering_hooks import install as install_steering
+
+        install_steering(model_runner)  # skipkv's steering: forward hooks on the decoder layers
+        return backend
 
     class HookRegistry(HookRegistry):  # noqa: F811 - records what it registers, for the start-up check
         @classmethod

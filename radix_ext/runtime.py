@@ -255,6 +255,8 @@ class KVRuntime:
             return
         if self.region is not None and req.prefix_len >= 0:
             usage = self._usage(req)
+            if req.state is not None:
+                usage.update(req.policy.usage(req.state))
             self.finished[rid] = usage
             if head_parallel.reports_usage():  # token counts once, not once per TP rank
                 metrics.EVICTED_TOKENS.labels(req.spec.name).inc(usage["evicted_tokens"])

@@ -116,16 +116,22 @@ def add_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0, help="prompt generator seed")
     t.add_argument("--config", help="YAML settings file (store.url)")
     from .auto_calibrate import add_parser as add_auto_parser
+    from .calibrate_skipkv import add_parser as add_skipkv_parser
 
     add_auto_parser(kinds)
+    add_skipkv_parser(kinds)
 
 
 def run(args, open_store) -> int:
-    """The `kvsieve calibrate thinkv|auto` command; open_store() gives the settings' store."""
+    """The `kvsieve calibrate thinkv|auto|skipkv` command; open_store() gives the settings' store."""
     if getattr(args, "kind", "thinkv") == "auto":
         from .auto_calibrate import run as run_auto
 
         return run_auto(args, open_store)
+    if getattr(args, "kind", "thinkv") == "skipkv":
+        from .calibrate_skipkv import run as run_skipkv
+
+        return run_skipkv(args, open_store)
     for flag in ("prompts", "max_new_tokens", "max_layers"):
         if getattr(args, flag) < 1:
             print(f"kvsieve calibrate thinkv: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)

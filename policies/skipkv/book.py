@@ -18,6 +18,10 @@ overflow: a read-back every `refresh` steps keeps ranges near the real count.
 `read` (every `refresh` steps per request, between steps) copies back the
 counts of the due requests in one transfer, and for those whose count
 changed, their redundant sets (computed on the device) in one more.
+
+With a cue table (`cue`, set once a request steers: policies.skipkv.steering)
+the fold also counts, per row, the finished sentences holding a cue token
+and whether the open sentence holds one (`revalidations`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Optional
 import torch
 
 from .sentences import RedundantSpans, redundant_sentences
+from .steering import lookup
 
 #: Smallest range of the store a request owns (sentences).
 MIN_RANGE = 64
@@ -78,6 +83,10 @@ class SentenceBook:
         self.vectors = torch.zeros(0, hidden, dtype=f32, device=device)
         self.starts = torch.zeros(0, dtype=i64, device=device)
         self.ends = torch.zeros(0, dtype=i64, device=device)
+        #: [V] bool: tokens of re-validation cues (None: not counted).
+        self.cue: Optional[torch.Tensor] = None
+        self.cue_sentences = torch.zeros(0, dtype=i64, device=device)
+        self.cue_open = torch.zeros(0, dtype=torch.bool, device=device)
         self.ranges = _Ranges()
         #: (request, tokens, then (copy, first row) of its positions, ids, hidden states)
         self.queue: list[tuple] = []
@@ -122,6 +131,7 @@ class SentenceBook:
         pad = lambda t: torch.cat([t, t.new_zeros((new - have, *t.shape[1:]))])  # noqa: E731
         self.cur_sum, self.cur_count, self.cur_start = pad(self.cur_sum), pad(self.cur_count), pad(self.cur_start)
         self.count, self.base = pad(self.count), pad(self.base)
+        self.cue_sentences, self.cue_open = pad(self.cue_sentences), pad(self.cue_open)
 
     def _grow_store(self, n: int) -> None:
         have = self.vectors.shape[0]
@@ -154,7 +164,7 @@ class SentenceBook:
         """Fold the queued tokens into the device state, all requests at once."""
         if self._opening:
             rows = self._index([rs.row for rs in self._opening])
-            for t in (self.cur_sum, self.cur_count, self.cur_start, self.count):
+            for t in (self.cur_sum, self.cur_count, self.cur_start, self.count, self.cue_sentences, self.cue_open):
                 t.index_fill_(0, rows, 0)  # (a scalar assigned through an index tensor would sync)
             self.base[rows] = self._index([rs.base for rs in self._opening])
             self._opening = []
@@ -194,6 +204,14 @@ class SentenceBook:
             self.count[rows] = self.count[rows] + ends.long()
             self.cur_sum[rows] = torch.where(e, torch.zeros_like(total), total)
             self.cur_count[rows] = torch.where(ends, torch.zeros_like(count), count)
+            if self.cue is not None:
+                cue = self.cue_open[rows] | lookup(self.cue, ids)
+                self.cue_sentences[rows] = self.cue_sentences[rows] + (cue & ends).long()
+                self.cue_open[rows] = cue & ~ends
+
+    def revalidations(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R] int64: cue sentences of req_pool rows `rows`, the open one included."""
+        return self.cue_sentences[rows] + self.cue_open[rows].long()
 
     def _gather(self, part, field: int, t: int) -> torch.Tensor:
         """Row t of each entry's tensor `field`, in entry order: one

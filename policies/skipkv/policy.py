@@ -23,6 +23,11 @@ Batching (SkipKV reorders padded batches by prompt length so that padding
 does not eat the budget): SGLang's batches are ragged, each row's slots are
 its own, so every request keeps its whole budget in any batch; the engine
 tests check that a request's greedy output is the same alone and in a batch.
+
+Steering (`steering: true`, policies.skipkv.steering): begin_request checks
+the model's vectors and the layer (a 400 naming the field otherwise);
+step_inputs starts the row in the SteeringTable and sets its α from the
+book's counts on the device; the usage record reports what the forward did.
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ import logging
 from typing import Optional
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..base import RequestState, StepRow
 from ..observations import Need, to_device
 from ..registry import register_policy
+from ..spec import KVPolicyError
+from . import steering, steering_vectors
+from .steering import DEFAULT_ALPHA, DEFAULT_ALPHA_MAX, DEFAULT_ALPHA_STEP
 from .rkv import RKVBase, RKVParams
 from .rkv_scores import due_heads
 from .book import RowSentences, SentenceBook, delimiter_table
@@ -49,6 +57,24 @@ class SkipKVParams(RKVParams):
     tau: float = Field(default=0.9, ge=-1.0, le=1.0,
                        description="cosine above which a sentence is redundant with a later one")
     refresh: int = Field(default=16, ge=1, le=4096, description="decode steps between reads of the sentences")
+    steering: bool = Field(default=False, description="add alpha * s to one layer's hidden state at newline tokens "
+                                                      "(needs `kvsieve calibrate skipkv` for the model)")
+    alpha: float = Field(default=DEFAULT_ALPHA, ge=0.0, le=64.0, description="steering strength at the start")
+    alpha_step: float = Field(default=DEFAULT_ALPHA_STEP, ge=0.0, le=64.0,
+                              description="added to alpha per re-validation (cue sentence or repeated sentence)")
+    alpha_max: float = Field(default=DEFAULT_ALPHA_MAX, ge=0.0, le=64.0, validate_default=True,
+                             description="cap of alpha (at least alpha)")
+    layer: Optional[int] = Field(default=None, ge=0, le=4095,
+                                 description="decoder layer whose output is steered (default: the calibrated one, "
+                                             "two thirds of the depth)")
+
+    @field_validator("alpha_max")
+    @classmethod
+    def _cap_above_start(cls, value, info):
+        start = info.data.get("alpha")
+        if start is not None and value < start:
+            raise ValueError(f"must be at least alpha ({start})")
+        return value
 
 
 class SkipKVState(RequestState):
@@ -59,6 +85,8 @@ class SkipKVState(RequestState):
         self.decoding = False
         self.pool_row = -1
         self.sentences: Optional[RowSentences] = None  # its row in the policy's SentenceBook
+        self.steer_layer = -1  # the steered layer (steering on), checked at begin_request
+        self.steer_row = -1  # its req_pool row in the SteeringTable once started
 
 
 @register_policy
@@ -73,8 +101,69 @@ class SkipKVPolicy(RKVBase):
     _warned = False
     book: Optional[SentenceBook] = None  # every request's sentences, on the hidden states' device
 
+    _vectors: Optional[steering_vectors.SteeringVectors] = None
+    _cues: Optional[torch.Tensor] = None
+
+    @classmethod
+    def tensor_params(cls) -> list[str]:
+        # Steering's parameters are read on the host (step_inputs), never by the decisions.
+        return [p for p in super().tensor_params() if p not in ("steering", "alpha", "alpha_step", "alpha_max")]
+
     def begin_request(self, params, num_layers, num_kv_heads) -> SkipKVState:
-        return SkipKVState(params, num_layers, num_kv_heads)
+        state = SkipKVState(params, num_layers, num_kv_heads)
+        if params.steering:
+            state.steer_layer = self._steering_layer(params, num_layers)
+        return state
+
+    def _steering_layer(self, params: SkipKVParams, num_layers: int) -> int:
+        """The layer a steered request uses; loads the table on first use.
+        KVPolicyError (a 400 naming the field) when it cannot steer."""
+        field = "kv_policy.params.steering"
+        engine = steering.ENGINE
+        if engine is None:
+            raise KVPolicyError(field, "this engine does not steer (its model's decoder layers were not found)")
+        if self._vectors is None:
+            name = self.model.name if self.model is not None else ""
+            vectors, why = steering_vectors.lookup(name, num_layers)
+            if vectors is None:
+                raise KVPolicyError(field, why)
+            if vectors.vectors.shape[1] != engine.hidden_size:
+                raise KVPolicyError(field, f"the steering vectors have width {vectors.vectors.shape[1]}, the "
+                                           f"model's hidden size is {engine.hidden_size}; calibrate this model")
+            self._start_table(vectors, engine)
+        layer = self._vectors.default_layer if params.layer is None else params.layer
+        if layer >= num_layers:
+            raise KVPolicyError("kv_policy.params.layer", f"must be below the model's {num_layers} layers")
+        return layer
+
+    def _start_table(self, vectors, engine) -> None:
+        decode = self.model.decode if self.model is not None else None
+        delimiters = self.model.delimiter_ids if self.model is not None else frozenset()
+        if decode is None:
+            raise KVPolicyError("kv_policy.params.steering", "the engine has no tokenizer: no newline tokens to steer at")
+        newline = steering.token_table([i for i in delimiters if "\n" in decode([i])], engine.device)
+        if newline is None:
+            raise KVPolicyError("kv_policy.params.steering", "the model's vocabulary has no newline token")
+        self._cues = steering.token_table(self._encoded_cues(), engine.device)
+        if self.book is not None:
+            self.book.cue = self._cues
+        steering.TABLE = steering.SteeringTable(engine.rows, vectors.vectors.to(engine.device, engine.dtype), newline)
+        self._vectors = vectors
+        logger.warning("skipkv: steering vectors of %r loaded (%d layers, default layer %d)", vectors.model,
+                       vectors.num_layers, vectors.default_layer)
+
+    def _encoded_cues(self) -> frozenset:
+        """Single-token encodings of the cue words (with and without a leading space, capitalised)."""
+        encode = self.model.encode if self.model is not None else None
+        if encode is None:
+            return frozenset()
+        ids = set()
+        for word in steering.CUE_WORDS:
+            for text in (word, " " + word, word.capitalize(), " " + word.capitalize()):
+                tokens = encode(text)
+                if len(tokens) == 1:
+                    ids.add(tokens[0])
+        return frozenset(ids)
 
     # ----- host, once per forward ---------------------------------------------
     def on_tokens(self, state: SkipKVState, positions, token_ids, hidden_states) -> None:
@@ -90,6 +179,7 @@ class SkipKVPolicy(RKVBase):
             if delimiters is None:
                 return
             self.book = SentenceBook(delimiters, hidden_states.shape[-1], hidden_states.device)
+            self.book.cue = self._cues
         taken = []
         for state, start, n in requests:
             if not state.decoding or state.pool_row < 0:
@@ -120,6 +210,7 @@ class SkipKVPolicy(RKVBase):
             self.book.read([(row.state.sentences, row.state.params.tau) for row in rows
                             if row.state.sentences is not None and not row.prefill
                             and row.step % row.state.params.refresh == 0])
+        self._steer(rows)
         spans = [row.state.sentences.spans if row.state.sentences is not None else RedundantSpans.empty()
                  for row in rows]
         most = max(s.starts.numel() for s in spans)
@@ -142,10 +233,49 @@ class SkipKVPolicy(RKVBase):
                 "span_penalty": to_device(penalty, torch.float32, device),
                 "span_rank": to_device(rank, torch.int64, device)}
 
+    def _steer(self, rows: list[StepRow]) -> None:
+        """Start newly steered rows in the table, and set every steered
+        decoding row's α from its re-validations (device ops, no sync)."""
+        table = steering.TABLE
+        if table is None:
+            return
+        due = []
+        for row in rows:
+            state = row.state
+            if state.steer_layer < 0:
+                continue
+            if state.steer_row < 0:
+                state.steer_row = row.pool_row
+                table.begin(row.pool_row, state.steer_layer, state.params.alpha)
+            if state.sentences is not None and self.book is not None and not row.prefill:
+                due.append(state)
+        if not due:
+            return
+        device = table.alpha.device
+        rows_index = to_device([s.steer_row for s in due], torch.int64, device)
+        repeats = to_device([s.sentences.spans.starts.numel() for s in due], torch.int64, device)
+        p = [s.params for s in due]
+        alpha = steering.alpha_schedule(to_device([x.alpha for x in p], torch.float32, device),
+                                        to_device([x.alpha_step for x in p], torch.float32, device),
+                                        to_device([x.alpha_max for x in p], torch.float32, device),
+                                        self.book.revalidations(rows_index) + repeats)
+        table.set_alpha(rows_index, alpha)
+
+    def usage(self, state: SkipKVState) -> dict:
+        if state.steer_layer < 0:
+            return {}
+        report = {"layer": state.steer_layer, "steered_tokens": 0, "alpha_peak": 0.0}
+        if state.steer_row >= 0 and steering.TABLE is not None:
+            report.update(steering.TABLE.report(state.steer_row))
+        return {"steering": report}
+
     def end_request(self, state: SkipKVState) -> None:
         if state.sentences is not None and self.book is not None:
             self.book.close(state.sentences)
         state.sentences = None
+        if state.steer_row >= 0 and steering.TABLE is not None:
+            steering.TABLE.end(state.steer_row, state.steer_layer)
+        state.steer_row = -1
 
     # ----- per layer (device) ---------------------------------------------------
     def _evict(self, batch, view, due):
