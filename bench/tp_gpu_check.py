@@ -6,7 +6,7 @@ For each model (built here into /tmp, random weights, fp32, no downloads):
 `tiny` is tests/tiny_models.py's Llama (2 kv heads: 1 per rank); `small` is
 a Llama with real attention shapes (head_dim 128, 8 query heads, 4 kv heads:
 2 per rank, GQA group 2; 4 layers, hidden 1024). One server at a time: TP 1
-runs every case of tests/test_tensor_parallel.py alone, then all of them
+runs every case of tests/tp_cases.py (one per registered policy) alone, then all of them
 submitted at once (a mixed batch); then TP 2 does the same. Checks per case:
 greedy token ids and kv_usage (private, retained, evicted tokens, eviction
 events, retained bytes) of TP 2 equal TP 1's; the mixed batch's tokens equal
@@ -52,19 +52,6 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_ROOT = Path("/tmp/kvsieve-tp-models")
 MAX_TOTAL_TOKENS = 4096
 USAGE = ("private_tokens", "retained_tokens", "evicted_tokens", "eviction_events", "retained_kv_bytes")
-# The cases of tests/test_tensor_parallel.py, in its order (prompts depend on the index).
-CASES = [
-    ("full", 24),
-    ({"name": "longflow", "budget": 8}, 24),
-    ({"name": "longflow", "budget": 8, "compress_prompt": False}, 24),
-    ({"name": "thinkv", "budget": 10}, 24),
-    ({"name": "h2o", "budget": 8}, 24),
-    ({"name": "skipkv", "budget": 8}, 24),
-    ({"name": "rkv", "budget": 8}, 24),
-    ({"name": "crystalcache", "budget": 132}, 72),
-    ({"name": "crystal_kv", "budget": 8}, 24),
-    ({"name": "longflow", "budget": 256}, 24),
-]
 # Engine options serve has no flags for (CUDA only): no SGLang graphs (the
 # region's are off under TP anyway) for a fast start, a modest pool.
 CUDA_EXTRA = {"disable_cuda_graph": True, "mem_fraction_static": 0.5}
@@ -72,25 +59,16 @@ CUDA_EXTRA = {"disable_cuda_graph": True, "mem_fraction_static": 0.5}
 
 # ----- cases -----
 
-def case_label(policy) -> str:
-    if isinstance(policy, str):
-        return policy
-    label = f"{policy['name']}-{policy['budget']}"
-    return label + "-noprompt" if policy.get("compress_prompt") is False else label
+# One per registered policy plus variants, shared with tests/test_tensor_parallel.py.
+sys.path.insert(0, str(REPO / "tests"))
+from tp_cases import case_label, tp_cases, tp_prompt as prompt_for  # noqa: E402
 
-
-def prompt_for(index: int, policy) -> list[int]:
-    """As in the test: distinct first ids (no radix hits between cases), all
-    below the tokenizer's 512 ids; crystalcache gets a 200-token prompt."""
-    if isinstance(policy, dict) and policy["name"] == "crystalcache":
-        return [362] + [(37 * k) % 400 + 1 for k in range(199)]
-    return [379 - index, 12, 250, 31, 8, 77, 190, 64]
+CASES = tp_cases()
 
 
 # ----- models -----
 
 def build_model(name: str) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import build_tiny_model
 
     if name == "tiny":

@@ -39,7 +39,7 @@ from kvsieve.policies import Need, Observations, SlotView
 
 from . import head_parallel, layer0_probe, region_graphs
 from .model_info import build_model_info
-from .profiling import span
+from .profiling import recording, span
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
 from .step_meta import StepBuilder, StepMeta
@@ -139,7 +139,7 @@ class KvsieveAttnBackend(AttentionBackend):
             self.step = self.steps.build(forward_batch)
         if self.graphs is not None:
             decode = self.step is not None and self.step.region is not None and self.step.extend is None
-            if decode:
+            if decode and not recording():
                 self.graphs.begin_step(self.step, needs_keys=bool(self.step.region.needs & Need.KEYS))
             else:
                 self.graphs.current = None

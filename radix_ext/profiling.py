@@ -20,6 +20,13 @@ ENABLED = os.environ.get("KVSIEVE_PROFILE_RANGES") == "1"
 _OFF = contextlib.nullcontext()
 
 
+def recording() -> bool:
+    """Ranges are on and a torch profiler is recording now. The region's
+    pass then runs eagerly: ranges inside a CUDA-graph replay are not
+    recorded, so a profiled step would show no split."""
+    return ENABLED and torch._C._autograd._profiler_enabled()
+
+
 def span(name: str):
     """A profiler range named `name` when ranges are on, else a no-op."""
     return torch.profiler.record_function(name) if ENABLED else _OFF
