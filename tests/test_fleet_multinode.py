@@ -1,6 +1,6 @@
-"""A real two-node Ray cluster on this machine, every address on loopback
-(issue #20, item 2): a head and a worker node started with `ray start`
-(through service/scale/loopback.py), each offering one `kvsieve_engine`;
+"""A real two-node Ray cluster on this machine, every address on loopback:
+a head and a worker node started with `ray start` (through
+service/scale/loopback.py), each offering one `kvsieve_engine`;
 `kvsieve serve --ray-address auto --replicas 2` puts one engine replica on
 each. The worker's raylet is killed mid-load: its streams end with an error
 event and [DONE], the head keeps serving, and the replica comes back with
@@ -9,6 +9,7 @@ the node. No connection of any process involved leaves loopback."""
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -121,8 +122,12 @@ class Cluster:
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cluster")
     # Ray 2.60's head turns token authentication on; its nodes and drivers
-    # must send the token (~/.ray/auth_token) too.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token"}
+    # must send the token too: this cluster's own, not ~/.ray/auth_token,
+    # which a fresh machine does not have.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           # The nodes stop at the module's end only: no graceful drain (the
+           # head waited out its 30 s default for the Serve controller).
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     env.pop("RAY_ADDRESS", None)
     c = Cluster(workdir, env)
     try:
@@ -134,8 +139,10 @@ def cluster(tmp_path_factory):
 
 
 def replicas_reporting(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    if r.status_code != 200:  # Serve's proxy answers 404 until the app's route is up
+        return 0
+    return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
                if s.name == "kvsieve_engine_replicas")
 
 
