@@ -1,19 +1,24 @@
 """Where a kvsieve decode step's time goes, at the headline's shape, in one device call:
 
     python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming[,rkv,...]] [--budget 1024]
-        [--requests 512] [--steps 4] [--out step-profile.json]
+        [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
+        [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
-weights, the same KV split), runs --requests requests of 64-token prompts
-under the policy, and once every request holds budget + 32 generated tokens
-(each step evicts, as in the headline's window) asks SGLang's scheduler for a
-torch-profiler trace of --steps steps. The trace is summarized on the spot:
-the GPU's busy share of the profiled span (union of kernel intervals), idle
-gaps, the kernels by total time, and the host's top-level operations. Writes
-OUT_DIR/step-profile.json (the trace itself stays on the device: it is large).
+weights, the same KV split). For each policy in turn, runs --requests
+requests of 64-token prompts under it; once every request holds budget + 32
+generated tokens (each step evicts or decides, as in the headline's window)
+it measures the unprofiled throughput over 64 steps, then asks SGLang's
+scheduler for a torch-profiler trace of --steps steps (16 covers one
+decision of the policies that decide every 16 steps). The trace is
+summarized on the spot: the GPU's busy share of the profiled span (union of
+kernel intervals), idle gaps, the kernels by total time, and the host's
+top-level operations (Python stacks with --stack 1: they slow the host
+several times over, so the host share is then overstated). Writes
+OUT_DIR/step-profile.json after every policy, under `runs` (the traces stay
+on the device: they are large).
 
-Several policies (`--policy rkv,skipkv,thinkv`) share the requests evenly in
-one batch. The engine runs with KVSIEVE_PROFILE_RANGES=1 (radix_ext/
+The engine runs with KVSIEVE_PROFILE_RANGES=1 (radix_ext/
 profiling.py), so the summary splits the step by what the GPU ran inside each
 named range: `split_per_step_ms` gives the attention kernel
 (kvsieve.attend), the region writes (kvsieve.store + kvsieve.evict), the
@@ -45,8 +50,9 @@ import gpu_headline as headline  # noqa: E402  (same engine setup and prompts)
 def options() -> dict:
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
     return {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024)),
-            "requests": int(opts.get("--requests", 512)), "steps": int(opts.get("--steps", 4)),
-            "kv_tokens": int(opts.get("--kv-tokens", 786432)), "out": opts.get("--out", "step-profile.json")}
+            "requests": int(opts.get("--requests", 512)), "steps": int(opts.get("--steps", 16)),
+            "kv_tokens": int(opts.get("--kv-tokens", 786432)), "out": opts.get("--out", "step-profile.json"),
+            "policy_params": json.loads(opts.get("--policy-params", "{}")), "stack": opts.get("--stack", "0") == "1"}
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -158,31 +164,60 @@ def summarize(trace_path: str, steps: int) -> dict:
                                  for n, t, c in python_functions[:80]]}
 
 
-async def drive(engine, cfg, trace_dir: str) -> dict:
+async def profile_one(engine, cfg, name: str, seed: int, trace_dir: str) -> dict:
+    """One policy's batch: --requests requests ramp to budget + 32 tokens,
+    the unprofiled throughput over the next 64 steps, then --steps profiled
+    steps; the batch then runs to its end before the next policy starts."""
     from sglang.srt.managers.io_struct import ProfileReq
 
     budget, n = cfg["budget"], cfg["requests"]
     counts = [0] * n
-    names = cfg["policy"].split(",")
-    # The policies share the requests in turn (one batch of all of them).
-    sampling = [headline.params(budget + 160, {"name": names[i % len(names)], "budget": budget}) for i in range(n)]
+    policy = {"name": name, "budget": budget}
+    if cfg["policy_params"].get(name):
+        policy["params"] = cfg["policy_params"][name]
+    sampling = headline.params(budget + 192, policy)
+    started = time.perf_counter()
 
     async def one(i, ids):
-        async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling[i], stream=True):
+        async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True):
             counts[i] = chunk["meta_info"]["completion_tokens"]
 
-    tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(headline.prompts(n, headline.SHORT_PROMPT, 7))]
+    tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(headline.prompts(n, headline.SHORT_PROMPT, seed))]
     while min(counts) < budget + 32:
         await asyncio.sleep(0.05)
+    ramp_s = time.perf_counter() - started
+    # Chunks arrive every STREAM_INTERVAL tokens per request: a window of
+    # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
-    await asyncio.sleep(2.0)
+    while sum(counts) < before[1] + 64 * n:
+        await asyncio.sleep(0.02)
     after = (time.perf_counter(), sum(counts))
     unprofiled = (after[1] - before[1]) / (after[0] - before[0])
+    profile_id = f"kvsieve-step-{name}"
     await engine.tokenizer_manager.start_profile(ProfileReq(output_dir=trace_dir, num_steps=cfg["steps"],
-                                                            activities=["CPU", "GPU"], with_stack=True,
-                                                            record_shapes=False, profile_id="kvsieve-step"))
+                                                            activities=["CPU", "GPU"], with_stack=cfg["stack"],
+                                                            record_shapes=False, profile_id=profile_id))
     await asyncio.gather(*tasks)
-    return {"tokens_per_s_unprofiled": round(unprofiled, 1), "step_ms_unprofiled": round(1000 * n / unprofiled, 2)}
+    result = {"policy": policy, "ramp_s": round(ramp_s, 1), "tokens_per_s_unprofiled": round(unprofiled, 1),
+              "step_ms_unprofiled": round(1000 * n / unprofiled, 2)}
+    traces = sorted(glob.glob(os.path.join(trace_dir, f"{profile_id}*.trace.json.gz")))
+    if traces:
+        result["profile"] = summarize(traces[-1], cfg["steps"])
+    return result
+
+
+def report(name: str, result: dict) -> None:
+    print(name, json.dumps({k: v for k, v in result.items() if k != "profile"}))
+    if "profile" not in result:
+        return
+    prof = result["profile"]
+    print(json.dumps({k: prof[k] for k in ("span_per_step_ms", "gpu_busy_share", "idle_gaps_over_50us")}))
+    print("split", json.dumps(prof["split_per_step_ms"]))
+    print("host ranges", json.dumps(prof["host_ms_per_step_by_range"]))
+    for k in prof["kernels"][:12]:
+        print("kernel", k["per_step_ms"], k["count"], k["name"])
+    for h in prof["python_inclusive"][:30]:
+        print("py", h["per_step_ms"], h["count"], h["name"])
 
 
 def main() -> None:
@@ -202,31 +237,19 @@ def main() -> None:
                         attention_backend="kvsieve", max_total_tokens=pool_tokens, max_running_requests=cfg["requests"],
                         cuda_graph_max_bs_decode=128)
     trace_dir = os.path.join("/tmp", "kvsieve-trace")
+    out_path = os.path.join(out_dir, cfg["out"])
+    result = {"device": torch.cuda.get_device_name(0), "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
+              "config": cfg, "runs": {}}
     try:
-        result = engine.loop.run_until_complete(drive(engine, cfg, trace_dir))
+        for seed, name in enumerate(cfg["policy"].split(",")):
+            run = engine.loop.run_until_complete(profile_one(engine, cfg, name, seed + 7, trace_dir))
+            result["runs"][name] = run
+            result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            with open(out_path, "w") as f:  # after every policy: a call cut short keeps what ran
+                json.dump(result, f, indent=1)
+            report(name, run)
     finally:
         engine.shutdown()
-    traces = sorted(glob.glob(os.path.join(trace_dir, "*.trace.json.gz")))
-    result.update(device=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  command="python bench/step_profile.py " + " ".join(sys.argv[1:]), config=cfg,
-                  traces=[os.path.basename(t) for t in traces])
-    if traces:
-        result["profile"] = summarize(traces[-1], cfg["steps"])
-    with open(os.path.join(out_dir, cfg["out"]), "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "profile"}))
-    if "profile" in result:
-        prof = result["profile"]
-        print(json.dumps({k: prof[k] for k in ("span_per_step_ms", "gpu_busy_share", "idle_gaps_over_50us")}))
-        print("split", json.dumps(prof["split_per_step_ms"]))
-        print("host ranges", json.dumps(prof["host_ms_per_step_by_range"]))
-        for k in prof["kernels"][:25]:
-            print("kernel", k["per_step_ms"], k["count"], k["name"])
-        for h in prof["host_top_level"][:20]:
-            print("host", h["total_ms"], h["count"], h["name"])
-        print("gaps", json.dumps(prof["longest_gaps"]))
-        for h in prof["python_inclusive"][:60]:
-            print("py", h["per_step_ms"], h["count"], h["name"])
 
 
 if __name__ == "__main__":
