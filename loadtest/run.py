@@ -7,6 +7,12 @@ the request log (requests.jsonl), summary.json and summary.md (by policy:
 TTFT, TPOT, throughput, errors; plus the server's KV state after the run),
 run.json (machine, date, command) and, with --plot, a PNG over time.
 
+--stages "60s:2,150s:12,150s:2" ramps the users in stages (loadtest/stages_shape.py)
+instead of --users for --run-time; users being removed finish the request in
+hand (--stop-timeout). --replicas-every S scrapes the engine replica count
+(Ray Serve mode) from /metrics every S seconds into replicas.jsonl; the
+summary lists its changes and the plot draws it beside the users.
+
 After locust stops (in-flight requests are cut off, as clients going away),
 the runner sends one 1-token request (its release republishes the token
 pool's counters, see refresh_kv_gauges) and waits up to --drain-timeout
@@ -31,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from replica_watch import ReplicaWatch, read_watch, replica_changes  # noqa: E402
 from summary import read_log, summarize, to_markdown  # noqa: E402
 
 
@@ -130,7 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--plot", type=Path, help="also write a PNG of TPOT and throughput by policy over time")
     ap.add_argument("--note", default="", help="free text kept in run.json (server settings, model)")
+    ap.add_argument("--stages", default="", help='users in stages, e.g. "60s:2,150s:12,150s:2" (then --users '
+                                                 'and --run-time are not used)')
+    ap.add_argument("--stop-timeout", type=float, default=120.0,
+                    help="with --stages: seconds a user being removed may take to finish its request")
+    ap.add_argument("--replicas-every", type=float, default=0.0,
+                    help="scrape the engine replica count from /metrics every this many seconds (0: off)")
     args = ap.parse_args(argv)
+    if args.stages:
+        from stages import parse_stages
+
+        parse_stages(args.stages)  # a bad stage stops the run before it starts
 
     out: Path = args.out.resolve()  # locust runs in another directory
     out.mkdir(parents=True, exist_ok=True)
@@ -147,33 +164,67 @@ def main(argv: list[str] | None = None) -> int:
     }
     (out / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
 
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    if args.stages:
+        from stages import SPAWN_RATE_ENV, STAGES_ENV
+
+        env.update({STAGES_ENV: args.stages, SPAWN_RATE_ENV: str(args.spawn_rate)})
+        load = ["-f", f"{HERE / 'locustfile.py'},{HERE / 'stages_shape.py'}", "--stop-timeout", f"{args.stop_timeout:.0f}s"]
+    else:
+        load = ["-f", str(HERE / "locustfile.py"), "--users", str(args.users), "--spawn-rate", str(args.spawn_rate),
+                "--run-time", args.run_time]
     locust = [
-        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
-        "--host", args.host, "--users", str(args.users), "--spawn-rate", str(args.spawn_rate),
-        "--run-time", args.run_time, "--csv", str(out / "locust"), "--html", str(out / "report.html"),
+        sys.executable, "-m", "locust", *load, "--headless", "--host", args.host,
+        "--csv", str(out / "locust"), "--html", str(out / "report.html"),
         "--only-summary", "--loglevel", "WARNING",
         "--kv-policies", args.kv_policies, "--request-log", str(log_path),
         "--short-tokens", str(args.short_tokens), "--long-tokens", str(args.long_tokens),
         "--burst-size", str(args.burst_size), "--seed", str(args.seed),
     ]
-    proc = subprocess.run(locust, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)})
-
-    refresh_kv_gauges(args.host)
-    state, waited = wait_for_idle(args.host, args.drain_timeout)
+    watch_path = out / "replicas.jsonl"
+    watch = ReplicaWatch(args.host, watch_path, args.replicas_every).start() if args.replicas_every > 0 else None
+    locust_start = time.time()
+    try:
+        proc = subprocess.run(locust, cwd=HERE, env=env)
+        refresh_kv_gauges(args.host)
+        state, waited = wait_for_idle(args.host, args.drain_timeout)
+    finally:
+        if watch is not None:
+            watch.stop()
     summary = summarize(read_log(log_path))
     summary.update(locust_exit_code=proc.returncode, kv_after_run=state, kv_idle_after_s=waited,
                    kv_idle=kv_idle(state))
+    if watch is not None:
+        rows = read_watch(watch_path)
+        changes = replica_changes(rows, locust_start)
+        summary["replicas"] = {"changes_s_from_start": changes, "max": max((c["replicas"] for c in changes), default=None),
+                               "scrapes": len(rows), "scrape_errors": sum("error" in r for r in rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(to_markdown(summary))
     if args.plot:
         from plot import plot
 
-        plot(read_log(log_path), args.plot.resolve(), title=f"kvsieve load test, {args.users} users, {args.run_time}")
+        load_text = f"stages {args.stages}" if args.stages else f"{args.users} users, {args.run_time}"
+        plot(read_log(log_path), args.plot.resolve(), title=f"kvsieve load test, {load_text}",
+             replicas=read_watch(watch_path) if watch is not None else None,
+             users=users_over_time(out / "locust_stats_history.csv"))
     print(to_markdown(summary))
     print(f"KV after the run: {json.dumps(state)} (idle after {waited} s)")
-    total = summary["total"]
-    failed = total.get("5xx", 0) or total.get("transport_errors", 0) or not summary["kv_idle"]
+    if "replicas" in summary:
+        print(f"engine replicas (s from the start: count): {summary['replicas']['changes_s_from_start']}")
+    failed = summary["total"].get("failed", 0) or not summary["kv_idle"]
     return 1 if failed else 0
+
+
+def users_over_time(history_csv: Path) -> list[tuple[float, int]]:
+    """(epoch s, users) from locust's stats history CSV (one row a second)."""
+    import csv
+
+    if not history_csv.exists():
+        return []
+    with open(history_csv) as f:
+        return [(float(row["Timestamp"]), int(row["User Count"])) for row in csv.DictReader(f)
+                if row.get("Name") == "Aggregated"]
 
 
 if __name__ == "__main__":

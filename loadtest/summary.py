@@ -61,6 +61,8 @@ def _stats(records: list[dict], duration: float) -> dict:
         "5xx": sum(1 for s in status if s >= 500),
         "transport_errors": sum(1 for s in status if s == 0),
         "broken_responses": sum(1 for r in records if r.get("status") == 200 and r.get("error")),
+        # Any request that did not get what it should: the run's failures.
+        "failed": sum(1 for r in records if not _as_expected(r)),
         "ttft_p50_ms": ms(quantile(ttft, 0.5)),
         "ttft_p99_ms": ms(quantile(ttft, 0.99)),
         "tpot_p50_ms": ms(quantile(tpot, 0.5)),
@@ -70,8 +72,14 @@ def _stats(records: list[dict], duration: float) -> dict:
     }
 
 
+def _as_expected(record: dict) -> bool:
+    if "expected" in record:  # a bad request: refused with its 4xx
+        return record.get("status") == record["expected"] and not record.get("error")
+    return record.get("status") == 200 and not record.get("error")
+
+
 _COLUMNS = [
-    ("requests", "requests"), ("ok", "ok"), ("expected_4xx", "4xx (expected)"),
+    ("requests", "requests"), ("ok", "ok"), ("failed", "failed"), ("expected_4xx", "4xx (expected)"),
     ("unexpected_4xx", "4xx (unexpected)"), ("5xx", "5xx"), ("transport_errors", "transport errors"),
     ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
     ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),

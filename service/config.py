@@ -94,6 +94,7 @@ class AutoscalingConfig(_Section):
     target_ongoing_requests: float = Field(4.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(60.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0, description="the autoscaler decides on ongoing requests averaged over this window")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":

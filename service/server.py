@@ -53,22 +53,17 @@ def serve(args) -> None:
     import uvicorn
 
     from .app import create_app
-    from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from .default_model import ensure_default_model
     from .engine import EngineClient, EngineSettings
+    from .model_name import export_served_model_name, served_model_name
     from .presets import load_presets
 
     _GracefulServer = _graceful_server_class()
 
     presets = load_presets(args.presets)
-    if args.model:
-        model_path = str(Path(args.model).resolve())
-        model_name = args.served_model_name or Path(model_path).name
-    else:
-        model_path = str(ensure_default_model())
-        model_name = args.served_model_name or DEFAULT_MODEL_NAME
-    # The scheduler process looks calibration artifacts up under the name the
-    # API serves (policies.thinkv.calibration.artifact_key).
-    os.environ["KVSIEVE_SERVED_MODEL_NAME"] = model_name
+    model_path = str(Path(args.model).resolve()) if args.model else str(ensure_default_model())
+    model_name = served_model_name(args.served_model_name, args.model, model_path)
+    export_served_model_name(model_name)
 
     started = time.monotonic()
     engine = EngineClient(EngineSettings(

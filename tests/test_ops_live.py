@@ -106,7 +106,7 @@ def ray_only_metrics() -> set[str]:
 
 def test_dashboards_and_rules_name_only_exported_metrics(stack):
     ray_only = ray_only_metrics()
-    assert ray_only == {"kvsieve_engine_replicas"}
+    assert ray_only == {"kvsieve_engine_replicas", "kvsieve_serve_engine_replicas"}
     exported = exported_names(stack["server"]) | {"up", "scrape_duration_seconds"} | ray_only
     recorded = {r["record"] for r in rules(RULES) if "record" in r}
     missing = []

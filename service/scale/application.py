@@ -60,6 +60,7 @@ def engine_deployment_options(settings: Settings, metrics_dir: str) -> dict:
             "target_ongoing_requests": a.target_ongoing_requests,
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
         }
     else:
         options["num_replicas"] = ray_cfg.replicas or 1

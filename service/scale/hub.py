@@ -5,6 +5,8 @@ in-process and on a cluster (no node-local files)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Iterable
 
@@ -19,6 +21,11 @@ STALE_AFTER_S = 10.0
 #: An ingress that has not reported for this long is gone.
 INGRESS_STALE_S = 5.0
 
+#: Seconds between two reads of Serve's replica states of the engine deployment.
+STATES_EVERY_S = 1.0
+
+logger = logging.getLogger("kvsieve.scale")
+
 
 class MetricsHub:
     """Also the stop's control point: `kvsieve serve` calls begin_drain; every
@@ -29,6 +36,33 @@ class MetricsHub:
         self._texts: dict[str, tuple[float, str]] = {}
         self._drain_at: float | None = None  # time.monotonic() of this process
         self._ingresses: dict[str, tuple[float, bool, int]] = {}  # id -> (stamp, draining, in flight)
+        # Serve's view of the engine replicas (STARTING, RUNNING, STOPPING, ...):
+        # what the autoscaler decided, before a new replica pushes anything.
+        self._engine_states: dict[str, int] = {}
+        self._watcher = threading.Thread(target=self._watch_engine_states, name="kvsieve-engine-states",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch_engine_states(self) -> None:
+        from ray import serve
+
+        app = serve.get_replica_context().app_name
+        failing = False
+        while True:
+            try:
+                deployments = serve.status().applications[app].deployments
+                engine = deployments.get("EngineReplica")
+                states = engine.replica_states if engine is not None else {}
+                self._engine_states = {getattr(state, "value", str(state)): n for state, n in states.items()}
+                failing = False
+            except Exception as exc:  # the controller restarting must not end the watch
+                if not failing:
+                    logger.warning("reading Serve's replica states failed: %s", exc)
+                failing = True
+            time.sleep(STATES_EVERY_S)
+
+    def engine_states(self) -> dict[str, int]:
+        return dict(self._engine_states)
 
     def begin_drain(self, grace_s: float) -> None:
         at = time.monotonic() + max(0.0, grace_s)
@@ -68,9 +102,11 @@ class _Families:
         return self._families
 
 
-def merge_replica_metrics(local_text: bytes, replica_texts: dict[str, str]) -> bytes:
+def merge_replica_metrics(local_text: bytes, replica_texts: dict[str, str],
+                          engine_states: dict[str, int] | None = None) -> bytes:
     """The ingress's own metrics plus every replica's, with a `replica` label,
-    and kvsieve_engine_replicas (replicas that pushed recently)."""
+    kvsieve_engine_replicas (replicas that pushed recently) and
+    kvsieve_serve_engine_replicas{state} (Serve's count by replica state)."""
     merged: dict[str, Metric] = {}
 
     def add(text: str, replica: str | None) -> None:
@@ -89,6 +125,11 @@ def merge_replica_metrics(local_text: bytes, replica_texts: dict[str, str]) -> b
         add(text, replica)
     count = GaugeMetricFamily("kvsieve_engine_replicas", "Engine replicas that reported metrics in the last 10 s.")
     count.add_metric([], len(replica_texts))
+    states = GaugeMetricFamily("kvsieve_serve_engine_replicas",
+                               "Engine replicas by Serve's replica state (STARTING, RUNNING, STOPPING, ...).",
+                               labels=["state"])
+    for state in sorted(set(engine_states or {}) | {"STARTING", "RUNNING", "STOPPING"}):
+        states.add_metric([state], (engine_states or {}).get(state, 0))
     registry = CollectorRegistry()
-    registry.register(_Families([*merged.values(), count]))
+    registry.register(_Families([*merged.values(), count, states]))
     return generate_latest(registry)

@@ -92,10 +92,11 @@ class RemoteOpenAIServer(OpenAIServer):
         local, _ = render_metrics()
         try:
             replicas = await self.hub_handle.collect.remote()
+            states = await self.hub_handle.engine_states.remote()
         except Exception as exc:
             logger.warning("metrics hub unreachable: %s", exc)
-            replicas = {}
-        return merge_replica_metrics(local, replicas), CONTENT_TYPE_LATEST
+            replicas, states = {}, {}
+        return merge_replica_metrics(local, replicas, states), CONTENT_TYPE_LATEST
 
 
 @serve.ingress()
@@ -111,7 +112,7 @@ class Ingress:
         _log_to_stderr(self.settings.server.log_level)
         # Waits for a first engine replica: Serve queues the call until one is up.
         info = await engine_handle.info.remote()
-        model_name = self.settings.engine.served_model_name or _default_name(self.settings, info["model_path"])
+        model_name = info["model_name"]
         engine = RemoteEngine(
             tokenizer=AutoTokenizer.from_pretrained(info["model_path"]),
             context_length=info["context_length"],
@@ -182,12 +183,3 @@ def _log_to_stderr(level: str) -> None:
         log.addHandler(handler)
         log.propagate = False
 
-
-def _default_name(settings, model_path: str) -> str:
-    if settings.engine.model:
-        from pathlib import Path
-
-        return Path(model_path).name
-    from kvsieve.service.default_model import DEFAULT_MODEL_NAME
-
-    return DEFAULT_MODEL_NAME

@@ -53,6 +53,11 @@ class EngineReplica:
             os.environ[POLICY_MODULES_ENV] = ",".join(cfg.policy_modules)
             load_policy_modules()
         self.model_path = resolve_model_path(cfg)
+        from kvsieve.service.model_name import export_served_model_name, served_model_name
+
+        # The name the ingress serves, for the scheduler's artifact lookups.
+        self.model_name = served_model_name(cfg.served_model_name, cfg.model, self.model_path)
+        export_served_model_name(self.model_name)
         # SGLang sets signal handlers while starting; a replica's constructor
         # may not run on the main thread, where only that is allowed. Serve
         # owns this process's signals anyway.
@@ -84,6 +89,7 @@ class EngineReplica:
             "replica": self.replica,
             "pid": os.getpid(),
             "model_path": self.model_path,
+            "model_name": self.model_name,
             "context_length": self.engine.context_length,
             "served_policies": sorted(self.engine.served_policies),
         }
@@ -117,13 +123,17 @@ class EngineReplica:
                 logger.warning("metrics push of replica %s failed: %s", self.replica, exc)
 
     def __del__(self) -> None:
-        self._stop.set()
-        try:
-            self.hub.forget.remote(self.replica)
-        except Exception:
-            pass
-        self.engine.shutdown()
-        logger.warning("engine replica %s shut down", self.replica)
+        # Also called when __init__ failed part-way (an engine that did not
+        # start): shut down whatever was set up.
+        if hasattr(self, "_stop"):
+            self._stop.set()
+            try:
+                self.hub.forget.remote(self.replica)
+            except Exception:
+                pass
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+            logger.warning("engine replica %s shut down", self.replica)
 
 
 def resolve_model_path(cfg) -> str:
