@@ -213,9 +213,12 @@ class SkipKVPolicy(RKVBase):
         self._steer(rows)
         spans = [row.state.sentences.spans if row.state.sentences is not None else RedundantSpans.empty()
                  for row in rows]
-        most = max(s.starts.numel() for s in spans)
-        K = 0 if most == 0 else max(4, 1 << (most - 1).bit_length())
+        most = max(len(s.lists[0]) for s in spans)
         R = len(rows)
+        if most == 0:  # no redundant sentence in any row (the usual step): no span table to build
+            empty = torch.zeros((R, 0), dtype=torch.int64, device=device)
+            return {"span_starts": empty, "span_ends": empty, "span_penalty": empty.float(), "span_rank": empty}
+        K = max(4, 1 << (most - 1).bit_length())
         starts, ends, penalty, rank = [], [], [], []
         for s in spans:  # flat host lists, one tensor each: cheap for hundreds of rows
             st, en, pe, ra = s.lists

@@ -46,8 +46,9 @@ class RedundantSpans:
 
     @staticmethod
     def empty() -> "RedundantSpans":
-        z = torch.zeros(0, dtype=torch.int64)
-        return RedundantSpans(z, z, torch.zeros(0), z)
+        """The one empty instance (immutable, its lists made once): every
+        row without sentences shares it, so a step builds nothing per row."""
+        return _EMPTY
 
     @staticmethod
     def of(starts: torch.Tensor, ends: torch.Tensor, redundant: torch.Tensor, penalty: torch.Tensor) -> "RedundantSpans":
@@ -57,3 +58,7 @@ class RedundantSpans:
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel())
         return RedundantSpans(starts.long(), ends.long(), penalty, rank)
+
+
+_EMPTY = RedundantSpans(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0),
+                        torch.zeros(0, dtype=torch.int64))
