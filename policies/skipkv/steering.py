@@ -27,6 +27,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..observations import to_device
+
 #: Words whose token marks a re-validating sentence **(decision: the reflection
 #: and transition cues of SEAL and SkipKV's code, "Wait", "Alternatively",
 #: "again", plus verification words)**. A token counts when it is the single
@@ -85,7 +87,7 @@ class SteeringTable:
         self.live: dict[int, int] = {}
 
     def begin(self, row: int, layer: int, alpha: float) -> None:
-        index = torch.tensor([row], device=self.alpha.device)
+        index = to_device([row], torch.int64, self.alpha.device)
         self.alpha.index_fill_(0, index, alpha)  # (index_fill_: a scalar through an index tensor would sync)
         self.layer.index_fill_(0, index, layer)
         self.steered.index_fill_(0, index, 0)
@@ -99,7 +101,7 @@ class SteeringTable:
 
     def end(self, row: int, layer: int) -> None:
         """Stop steering the row."""
-        index = torch.tensor([row], device=self.alpha.device)
+        index = to_device([row], torch.int64, self.alpha.device)
         self.alpha.index_fill_(0, index, 0.0)
         self.layer.index_fill_(0, index, -1)
         self.live[layer] -= 1
