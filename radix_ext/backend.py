@@ -37,7 +37,7 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import head_parallel, layer0_probe, region_graphs
+from . import head_parallel, layer0_probe, region_graphs, tbq_store
 from .model_info import build_model_info
 from .profiling import recording, span
 from .region_graphs import RegionGraphs
@@ -200,6 +200,11 @@ class KvsieveAttnBackend(AttentionBackend):
         if step.region is not None:
             if self.graphs is None or not self.graphs.run(self._decode_region, layer, q3, k3, v3, o3):
                 self._decode_region(q3, k3, v3, o3, layer, step)
+            if step.region.flush_rows is not None:  # TBQ: whole groups move to quantized pages (eager)
+                rows = step.region
+                with span("kvsieve.tbq_flush"):
+                    RUNTIME.flag_overflow(rows.pool_rows[rows.flush_rows], tbq_store.flush(
+                        self.pages, rows.tables[rows.flush_rows, layer.layer_id], rows.flush_format))
         return o3.flatten(1)
 
     # ----- the batched compressed pass ----------------------------------------
@@ -221,6 +226,14 @@ class KvsieveAttnBackend(AttentionBackend):
         R, H, M = table.shape
         return buffer[table].reshape(R, H, M * self.pages.config.page_size, *buffer.shape[2:])
 
+    def _flat_kv(self, table, values: bool = True):
+        """K (and V) [R, H, S, D] of the slots of `table`, each page read at
+        its precision (PageManager.kv_of)."""
+        R, H, M = table.shape
+        k, v = self.pages.kv_of(table, values)
+        S = M * self.pages.config.page_size
+        return k.reshape(R, H, S, -1), (v.reshape(R, H, S, -1) if values else None)
+
     def _view(self, table, keys: bool, state: bool = True) -> SlotView:
         """The policies' view of the slots of page-table rows `table`; the
         keys (a gather of every slot's K) only when a policy reads them, the
@@ -230,14 +243,14 @@ class KvsieveAttnBackend(AttentionBackend):
         return SlotView(valid=self._flat(p.valid, table), position=self._flat(p.position, table),
                         score=self._flat(p.score, table) if state else None,
                         last_hit=self._flat(p.last_hit, table) if state else None,
-                        keys=self._flat(p.k, table) if keys else None)
+                        keys=self._flat_kv(table, values=False)[0] if keys else None)
 
     def _slots(self, table):
         """K, V [R, H, S, D] of the slots of page-table rows `table` and their SlotView."""
-        k = self._flat(self.pages.k, table)
+        k, v = self._flat_kv(table)
         view = self._view(table, keys=False)
         view.keys = k
-        return k, self._flat(self.pages.v, table), view
+        return k, v, view
 
     def _decode_region(self, q3, k3, v3, o3, layer, step):
         rows, p = step.region, self.pages
@@ -247,7 +260,7 @@ class KvsieveAttnBackend(AttentionBackend):
         idx = rows.batch_index
         # 1. The new token goes to each (row, head)'s first free slot.
         with span("kvsieve.store"):
-            real = (table != p.null_page).unsqueeze(-1)
+            real = (table < p.null_page).unsqueeze(-1)  # full-precision pages (TBQ: the first column only)
             free = (~p.valid[table] & real).reshape(R, H, M * P)
             slot = free.int().argmax(dim=-1)  # [R, H]
             RUNTIME.flag_overflow(rows.pool_rows, ~free.any(dim=-1).all(dim=-1))
@@ -266,7 +279,8 @@ class KvsieveAttnBackend(AttentionBackend):
                 pool = self.token_to_kv_pool
                 out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
                                             pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
-                                            p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm)
+                                            p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm,
+                                            quant=p.quant, formats=p.format)
                 o3[idx] = out.to(o3.dtype)
             else:
                 rk, rv, view = self._slots(table)
@@ -303,7 +317,7 @@ class KvsieveAttnBackend(AttentionBackend):
                 if view.keys is not None:  # the PyTorch path gathered them for attention
                     keys = view.keys if whole else view.keys[g]
                 else:
-                    keys = self._flat(p.k, table if whole else table[g])
+                    keys = self._flat_kv(table if whole else table[g], values=False)[0]
             if whole:
                 sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
                                keys=keys)

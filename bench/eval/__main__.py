@@ -145,6 +145,7 @@ def report_parser(sub) -> None:
     p.add_argument("--prefix", default="eval", help="plot file name prefix (default eval)")
     p.add_argument("--markdown", help="write the tables here (default: stdout)")
     p.add_argument("--throughput", help="also the GPU headline's JSON (bench/results/gpu-headline.json)")
+    p.add_argument("--recall", help="also a top-10 recall file (python -m bench.eval recall)")
 
 
 def main(argv=None) -> int:

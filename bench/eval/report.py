@@ -3,7 +3,8 @@
 Plots (PREFIX defaults to `eval`):
   PREFIX-accuracy.png   accuracy vs measured KV fraction, per task, one line per policy
   PREFIX-fidelity.png   greedy tokens to the first divergence and final-answer
-                        agreement vs KV fraction, against the no-eviction reference
+                        agreement vs KV fraction, against full and the no-eviction reference
+  PREFIX-<recall file>.png top-10 attended-token recall vs budget (with --recall)
   PREFIX-throughput.png (from bench/results/gpu-headline.json, when given with --throughput)
 """
 
@@ -146,6 +147,9 @@ def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
 
 
 def plot_fidelity(cells: list[dict], meta: dict, out: Path) -> None:
+    """Tokens to the first greedy divergence and final-answer agreement vs
+    KV fraction: solid against `full`, dashed against `ref` (the same path
+    without eviction) where that cell ran; x at fraction 1: ref vs full."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,22 +159,24 @@ def plot_fidelity(cells: list[dict], meta: dict, out: Path) -> None:
     styles = _policy_styles(list({c["policy"] for c in cells if c["policy"] != "full"}))
     fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 8), squeeze=False)
     for j, task in enumerate(tasks):
-        rows = [c for c in cells if c["task"] == task and c.get("vs_ref")]
+        rows = [c for c in cells if c["task"] == task and c["budget"] != "ref" and c.get("kv_fraction") is not None]
         refs = {c["policy"]: c for c in cells if c["task"] == task and c["budget"] == "ref" and c.get("vs_full")}
         for policy, (color, marker) in styles.items():
-            pts = sorted((c["kv_fraction"], c["vs_ref"]["first_divergence"], c["vs_ref"]["answer_agreement"])
-                         for c in rows if c["policy"] == policy and c.get("kv_fraction") is not None)
-            if pts:
-                xs, div, agree = zip(*pts)
-                axes[0][j].plot(xs, div, marker=marker, color=color, label=policy, lw=1.2, ms=5)
-                axes[1][j].plot(xs, agree, marker=marker, color=color, label=policy, lw=1.2, ms=5)
+            for against, ls in (("vs_full", "-"), ("vs_ref", "--")):
+                pts = sorted((c["kv_fraction"], c[against]["first_divergence"], c[against]["answer_agreement"])
+                             for c in rows if c["policy"] == policy and c.get(against))
+                if pts:
+                    xs, div, agree = zip(*pts)
+                    label = policy if against == "vs_full" else f"{policy} vs ref"
+                    axes[0][j].plot(xs, div, marker=marker, color=color, label=label, lw=1.2, ms=5, ls=ls)
+                    axes[1][j].plot(xs, agree, marker=marker, color=color, label=label, lw=1.2, ms=5, ls=ls)
             if policy in refs:  # the no-eviction reference against full: the numerics floor
                 axes[0][j].scatter([1.0], [refs[policy]["vs_full"]["first_divergence"]], color=color,
                                    marker="x", s=30)
-        axes[0][j].set_title(f"{TASK_TITLES.get(task, task)}\nfirst greedy divergence from `ref` (x: ref vs full)",
-                             fontsize=9)
+        axes[0][j].set_title(f"{TASK_TITLES.get(task, task)}\nfirst greedy divergence (solid: from full, "
+                             "dashed: from ref)", fontsize=9)
         axes[0][j].set_ylabel("tokens until the first divergence")
-        axes[1][j].set_title("final-answer agreement with `ref`", fontsize=9)
+        axes[1][j].set_title("final-answer agreement (solid: with full, dashed: with ref)", fontsize=9)
         axes[1][j].set_ylabel("agreement")
         axes[1][j].set_ylim(-0.03, 1.03)
         for ax in (axes[0][j], axes[1][j]):
@@ -178,8 +184,58 @@ def plot_fidelity(cells: list[dict], meta: dict, out: Path) -> None:
             ax.set_xlabel("KV held at the end / full run's KV (log)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{meta.get('model')}: fidelity against the same path without eviction "
+    fig.suptitle(f"{meta.get('model')}: fidelity against full and against the same path without eviction "
                  f"({meta.get('started', '')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def recall_table(path: Path) -> str:
+    """Top-10 attended-token recall per (task, policy, budget)."""
+    d = json.loads(path.read_text())
+    meta = d.get("meta", {})
+    lines = [f"From `{path}`: {meta.get('model')}, {meta.get('machine')}, started {meta.get('started')}, "
+             f"command `{meta.get('command')}`; recorded every {meta.get('every')} decode steps; reference: "
+             f"{meta.get('reference')}.", "",
+             "| task | policy | budget | requests | recorded steps (mean) | top-10 recall | KV kept (tokens, mean) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for key in sorted(d.get("cells", {}), key=lambda k: (k.split("|")[0], k.split("|")[1],
+                                                        _budget_order(k.split("|")[2]))):
+        c = d["cells"][key]
+        ok = [r for r in c["records"].values() if r.get("recall") is not None]
+        errors = len(c["records"]) - len(ok)
+        steps = sum(r["steps"] for r in ok) / len(ok) if ok else None
+        kept = [r["kv_usage"].get("retained_tokens") for r in ok if r.get("kv_usage", {}).get("retained_tokens")]
+        lines.append(f"| {c['task']} | {c['policy']} | `{c['budget']}` | {len(ok)}"
+                     + (f" (+{errors} errors)" if errors else "") + f" | {_num(steps)} | {_num(c.get('recall'), 3)} | "
+                     f"{_num(sum(kept) / len(kept), 0) if kept else '–'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_recall(path: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.loads(path.read_text())
+    cells = [c for c in d.get("cells", {}).values() if c.get("recall") is not None and c["budget"] != "ref"]
+    if not cells:
+        return
+    styles = _policy_styles(list({c["policy"] for c in cells}))
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    for policy, (color, marker) in styles.items():
+        pts = sorted((int(c["budget"]), c["recall"]) for c in cells if c["policy"] == policy)
+        ax.plot(*zip(*pts), marker=marker, color=color, label=policy, lw=1.2, ms=5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (tokens per layer and kv head)")
+    ax.set_ylabel("top-10 attended-token recall")
+    ax.set_ylim(0, 1.03)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    meta = d.get("meta", {})
+    ax.set_title(f"{meta.get('model')}: top-10 recall (ThinKV §6.3), {meta.get('started')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -250,6 +306,12 @@ def report(args) -> int:
             name = Path(path).stem.removeprefix("eval-")
             plot_accuracy(cells, meta, plots / f"{args.prefix}-accuracy-{name}.png")
             plot_fidelity(cells, meta, plots / f"{args.prefix}-fidelity-{name}.png")
+    if getattr(args, "recall", None):
+        sections.append("### Top-10 attended-token recall\n")
+        sections.append(recall_table(Path(args.recall)))
+        if args.plots:
+            name = Path(args.recall).stem.removeprefix("eval-")
+            plot_recall(Path(args.recall), Path(args.plots) / f"{args.prefix}-{name}.png")
     if getattr(args, "throughput", None):
         sections.append("### Throughput (GPU headline)\n")
         sections.append(throughput_table(Path(args.throughput)))

@@ -221,6 +221,11 @@ def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list
                     progress(1)
             entry["done"] = True
             results.save()
+    except BaseException:
+        if pool:  # stopping (SIGTERM, an error): leave the requests in flight behind
+            pool.shutdown(wait=False, cancel_futures=True)
+            pool = None
+        raise
     finally:
         if pool:
             pool.shutdown()
