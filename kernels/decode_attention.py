@@ -47,6 +47,40 @@ LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
 
 
 @triton.jit
+def _e4m3(bits):
+    """FP8 E4M3 bits (int32, 0..255) as float32."""
+    e = (bits >> 3) & 15
+    m = (bits & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((bits & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _quantized(Codes, Scale, PageScale, row, off, fmt, d, src_c, src_o, ss_r, ss_o, ok, PER_CHANNEL: tl.constexpr):
+    """One block of quantized slots [BLOCK, D] as float32 (kernels.kv_formats):
+    fmt per slot (1 ternary, 2 NVFP4, 3 FP8); PER_CHANNEL: keys (E4M3 scale per
+    channel of the page) or values (per 16 channels of the slot)."""
+    f = fmt[:, None]
+    byte = tl.where(f == 3, d[None, :], tl.where(f == 2, d[None, :] // 2, d[None, :] // 4))
+    b = tl.load(Codes + row[:, None] * src_c + off[:, None] * src_o + byte, mask=ok[:, None], other=0).to(tl.int32)
+    nib = (b >> ((d[None, :] % 2) * 4)) & 15
+    i = nib & 7
+    e2m1 = tl.where(i < 2, i.to(tl.float32) * 0.5, (1.0 + (i & 1).to(tl.float32) * 0.5) * tl.exp2(((i >> 1) - 1).to(tl.float32)))
+    e2m1 = tl.where((nib & 8) != 0, -e2m1, e2m1)
+    two = (b >> ((d[None, :] % 4) * 2)) & 3
+    tern = tl.where(two == 1, 1.0, tl.where(two == 3, -1.0, 0.0))
+    if PER_CHANNEL:
+        sbits = tl.load(Scale + row[:, None] * ss_r + d[None, :], mask=ok[:, None], other=0)
+    else:
+        sbits = tl.load(Scale + row[:, None] * ss_r + off[:, None] * ss_o + d[None, :] // 16, mask=ok[:, None],
+                        other=0)
+    group = _e4m3(sbits.to(tl.int32))
+    page_scale = tl.load(PageScale + row * 2, mask=ok, other=0.0)[:, None]  # [pages, 2]: keys, values
+    x = tl.where(f == 3, _e4m3(b), tl.where(f == 2, e2m1 * group, tern * group))
+    return x * page_scale
+
+
+@triton.jit
 def _scores(q, k, seen, scale):
     qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK]
     return tl.where(seen[None, :], qk, float("-inf"))
@@ -74,7 +108,9 @@ def _accumulate(qk, v, m, l, acc, n, hq, g_ok, keep, Logits, BlockMax, r, slg_r,
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
     PartO, PartM, PartL, Logits, BlockMax,
+    Format, QK, QV, QKScale, QVScale, QPageScale,
     scale, P_pad, S, keys_per_split, null_page,
+    sq_c, sq_o, sqks_r, sqvs_r, sqvs_o,
     sq_r, sq_h,
     spk_n, spk_h, spv_n, spv_h,
     sps_r, srk_p, srk_o, srv_p, srv_o, sva_p,
@@ -83,6 +119,7 @@ def _partial_kernel(
     slg_r, slg_h, sbm_r, sbm_h,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Grid (rows, kv heads, splits): one split of one row's keys for the G
     query heads of one kv head; partial output, max and sum per query head.
@@ -119,9 +156,25 @@ def _partial_kernel(
         page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
         off = s % PAGE
         seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
-        k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None], other=0.0)
-        v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
-                    other=0.0)
+        if QUANT:  # pages past the null page are quantized (radix_ext/tbq_store.py)
+            quantized = page > null_page
+            full = seen & ~quantized
+            qseen = seen & quantized
+            row = tl.where(qseen, page - null_page - 1, 0)
+            fmt = tl.load(Format + page, mask=qseen, other=0).to(tl.int32)
+            k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=full[:, None],
+                        other=0.0)
+            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=full[:, None],
+                        other=0.0)
+            kq = _quantized(QK, QKScale, QPageScale, row, off, fmt, d, sq_c, sq_o, sqks_r, 0, qseen, True)
+            vq = _quantized(QV, QVScale, QPageScale + 1, row, off, fmt, dv, sq_c, sq_o, sqvs_r, sqvs_o, qseen, False)
+            k = tl.where(qseen[:, None], kq, k.to(tl.float32)).to(q.dtype)
+            v = tl.where(qseen[:, None], vq, v.to(tl.float32)).to(RegV.dtype.element_ty)
+        else:
+            k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None],
+                        other=0.0)
+            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
+                        other=0.0)
         m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, in_region, Logits, BlockMax,
                                 r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_REGION_LOGITS)
     tl.store(PartO + r * spo_r + hq[:, None] * spo_h + split * spo_s + dv[None, :], acc, mask=g_ok[:, None])
@@ -222,7 +275,7 @@ def default_splits(keys: int) -> int:
 
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
                      needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
-                     block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2):
+                     block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
@@ -231,7 +284,9 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     region_valid [pages, page_size] bool; table [R, Hkv, M] the layer's page
     table rows (the null page has no valid slot); region_vnorm [pages,
     page_size] fp32 ||v||_1 per slot if the region keeps it (else PV_NORM
-    reads V). Observations as attention_ref.attend_rows gives them:
+    reads V). With quantized pages (`quant`, a tbq_store.QuantPool, and
+    `formats` [pages] the page formats), page ids past the null page are
+    read from `quant` at their format; region_vnorm is then required. Observations as attention_ref.attend_rows gives them:
     attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq]."""
     R, Hq, D = q.shape
     Hkv = table.shape[1]
@@ -261,10 +316,20 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     valid = region_valid.view(torch.uint8) if region_valid.dtype == torch.bool else region_valid
     null_page = region_k.shape[0] - 1
     G_PAD = max(16, triton.next_power_of_2(G))
+    if quant is None:  # placeholders: QUANT=False never reads them
+        qk = qv = qks = qvs = qps = fmt = valid
+        sq = (0, 0, 0, 0, 0)
+    else:
+        if region_obs and region_vnorm is None:
+            raise ValueError("quantized pages need region_vnorm for PV_NORM")
+        qk, qv, qks, qvs, qps, fmt = quant.k_codes, quant.v_codes, quant.k_scale, quant.v_scale, quant.page_scale, formats
+        sq = (qk.stride(0), qk.stride(1), qks.stride(0), qvs.stride(0), qvs.stride(1))
     _partial_kernel[(R, Hkv, splits)](
         q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table,
         part_o, part_m, part_l, logits, block_max,
+        fmt, qk, qv, qks, qvs, qps,
         scale, P_pad, S, per_split, null_page,
+        *sq,
         q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
         prefix_slots.stride(0), region_k.stride(0), region_k.stride(1), region_v.stride(0), region_v.stride(1),
@@ -272,7 +337,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         logits.stride(0), logits.stride(1), block_max.stride(0), block_max.stride(1),
         G=G, G_PAD=G_PAD, D=D, DV=DV, PAGE=PAGE, BLOCK=block,
-        STORE_REGION_LOGITS=region_obs, STORE_PREFIX_LOGITS=sparsity,
+        STORE_REGION_LOGITS=region_obs, STORE_PREFIX_LOGITS=sparsity, QUANT=quant is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((R, Hq, DV), dtype=q.dtype, device=dev)

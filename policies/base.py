@@ -224,6 +224,19 @@ class Policy:
         end_request (host; may read its device counters once)."""
         return {}
 
+    # ----- quantized pages (host) --------------------------------------------
+    def quantizes(self, params: PolicyParams) -> bool:
+        """Whether the request's generated tokens are quantized in groups
+        (radix_ext/tbq_store.py; ThinKV's TBQ). The engine then keeps one
+        full-precision page per (layer, head) and asks `group_format` for
+        each group's format."""
+        return False
+
+    def group_format(self, state: RequestState, first_step: int) -> int:
+        """Storage format (kernels.kv_formats id) of the group of decode
+        tokens that starts at decode step `first_step`."""
+        return 0
+
     # ----- admission (host) ---------------------------------------------------
     def kept_after_prefill(self, params: PolicyParams, private_prompt: int, budget: int) -> int:
         """Most private prompt tokens one (layer, head) keeps once the prefill

@@ -69,3 +69,44 @@ def region_pages(pool_tokens: int, num_layers: int, num_kv_heads: int, page_size
         raise ValueError(f"{setting}: the compressed region would have {pages} pages, fewer than one page per "
                          f"(layer, kv head) ({num_layers * num_kv_heads}); no compressed request could run")
     return pages
+
+
+QUANT_SHARE_ENV = "KVSIEVE_REGION_QUANT_SHARE"
+DEFAULT_QUANT_SHARE = 0.5
+QUANT_BITS_ENV = "KVSIEVE_TBQ_BITS"
+
+
+def quant_bits() -> int:
+    """Bits per element a quantized page's code rows hold: 4 (NVFP4 and
+    ternary; R8's FP8 groups are stored as NVFP4) or 8 (FP8 too)."""
+    raw = os.environ.get(QUANT_BITS_ENV, "4")
+    if raw not in ("4", "8"):
+        raise ValueError(f"{QUANT_BITS_ENV}={raw!r}: must be 4 or 8")
+    return int(raw)
+
+
+def split_quantized(pages: int, heads: int, bytes_per_page: int, quant_bytes_per_page: int) -> tuple[int, int]:
+    """(full-precision pages, quantized pages) of the region.
+
+    KVSIEVE_REGION_QUANT_SHARE (default 0.5) of the region's bytes go to
+    quantized pages on CUDA (the carve is split); on CPU the quantized pages
+    come on top of the full-precision ones (share x their bytes), so other
+    policies keep the region they had. With KVSIEVE_REGION_PAGES the
+    quantized pages are KVSIEVE_REGION_QUANT_PAGES (default 0: no TBQ)."""
+    if os.environ.get("KVSIEVE_REGION_PAGES"):
+        return pages, int(os.environ.get("KVSIEVE_REGION_QUANT_PAGES", "0"))
+    raw = os.environ.get(QUANT_SHARE_ENV, str(DEFAULT_QUANT_SHARE))
+    try:
+        share = float(raw)
+    except ValueError:
+        raise ValueError(f"{QUANT_SHARE_ENV}={raw!r}: must be a number in [0, 1)") from None
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"{QUANT_SHARE_ENV}={raw}: must be in [0, 1): the share of the region's bytes in "
+                         "quantized pages (TBQ)")
+    quant = int(pages * share * bytes_per_page // quant_bytes_per_page)
+    if carved_bytes is not None:
+        pages = int(pages * (1.0 - share))
+        if pages < heads:
+            raise ValueError(f"{QUANT_SHARE_ENV}={raw}: leaves {pages} full-precision pages, fewer than one "
+                             f"per (layer, kv head) ({heads})")
+    return pages, quant

@@ -35,6 +35,35 @@ RETAINED_BYTES = Gauge(
     multiprocess_mode="livesum",
     registry=None,
 )
+RETAINED_ELEMENTS = Gauge(
+    "kvsieve_retained_kv_elements",
+    "K and V elements retained in the compressed region by running requests "
+    "(8 x kvsieve_retained_kv_bytes / this = average bits per element).",
+    ["policy"],
+    multiprocess_mode="livesum",
+    registry=None,
+)
+BITS_PER_ELEMENT = Gauge(
+    "kvsieve_retained_kv_bits_per_element",
+    "Average bits per retained K or V element in the compressed region (codes and scales), per policy.",
+    ["policy"],
+    multiprocess_mode="livemax",
+    registry=None,
+)
+
+
+def record_bits_per_element() -> None:
+    """BITS_PER_ELEMENT from this process's retained bytes and elements."""
+    for labels, elements in _samples(RETAINED_ELEMENTS).items():
+        size = _samples(RETAINED_BYTES).get(labels, 0.0)
+        BITS_PER_ELEMENT.labels(*labels).set(8 * size / elements if elements > 0 else 0.0)
+
+
+def _samples(gauge) -> dict:
+    return {tuple(s.labels[n] for n in ("policy",)): s.value
+            for metric in gauge.collect() for s in metric.samples}
+
+
 REGION_PAGES = Gauge(
     "kvsieve_region_pages",
     "Pages of the compressed region by state (used, free).",

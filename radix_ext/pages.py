@@ -22,6 +22,13 @@ Two sides, as in vLLM v1's KV-cache manager and nano-vllm's block manager:
 Slot s of a (request, layer, head) is page table[..., s // page_size], offset
 s % page_size; the null page is never valid, so every row presents an
 [H, columns x page_size] slot grid to attention and to the policies.
+
+Quantized pages (ThinKV's TBQ, docs/design/tbq.md) are a second pool with a
+free list of their own: page ids [0, num_pages) hold full precision, id
+num_pages is the null page, ids past it are quantized pages, whose K/V live
+in `quant` (radix_ext.tbq_store.QuantPool) and whose format is `format[page]`.
+The per-slot arrays (valid, position, ...) span every id, so policies and
+attention see one slot grid whatever a page's precision.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvsieve.kernels import kv_formats as kvf
 from kvsieve.policies.observations import to_device
+
+from .tbq_store import QuantPool
 
 
 #: Table rows counted per gather in held_tokens_of_rows (bounds its temporary:
@@ -53,6 +63,10 @@ class RegionConfig:
     device: str = "cpu"
     #: Rows of the page table: SGLang's req_to_token rows (max running requests).
     max_rows: int = 64
+    #: Quantized pages (TBQ) and the bits their code rows hold (4: NVFP4 and
+    #: ternary; 8: FP8 too).
+    quant_pages: int = 0
+    quant_bits: int = 4
 
     @property
     def bytes_per_page(self) -> int:
@@ -86,10 +100,15 @@ class _Pending:
 class PageManager:
     def __init__(self, config: RegionConfig):
         c = self.config = config
-        n = c.num_pages + 1  # the last page is the null page: never valid
+        full = c.num_pages + 1  # page num_pages is the null page: never valid
+        n = full + c.quant_pages  # quantized pages follow the null page
         self.null_page = c.num_pages
-        self.k = torch.zeros(n, c.page_size, c.head_dim, dtype=c.dtype, device=c.device)
+        self.k = torch.zeros(full, c.page_size, c.head_dim, dtype=c.dtype, device=c.device)
         self.v = torch.zeros_like(self.k)
+        #: Storage format of each page (kv_formats ids; 0 for full-precision
+        #: pages and for quantized pages that hold nothing yet).
+        self.format = torch.zeros(n, dtype=torch.int8, device=c.device)
+        self.quant = QuantPool(c) if c.quant_pages else None
         self.valid = torch.zeros(n, c.page_size, dtype=torch.bool, device=c.device)
         self.position = torch.full((n, c.page_size), -1, dtype=torch.int64, device=c.device)
         self.score = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
@@ -110,6 +129,7 @@ class PageManager:
         self.const_zero_int = torch.zeros((), dtype=torch.int32, device=c.device)
         self.const_no_position = torch.full((), -1, dtype=torch.int64, device=c.device)
         self._free: list[int] = list(range(c.num_pages - 1, -1, -1))
+        self._qfree: list[int] = list(range(n - 1, full - 1, -1))
         self._owned: dict[str, _Owned] = {}
         self._pending = _Pending()
 
@@ -152,22 +172,53 @@ class PageManager:
         counts = [self.valid[self.table[chunk]].sum(dim=(1, 2, 3, 4)) for chunk in rows.split(ROWS_PER_COUNT)]
         return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64, device=self.valid.device)
 
-    def can_allocate(self, pages_per_head: int) -> bool:
-        return pages_per_head * self.config.heads <= len(self._free)
+    @property
+    def quant_pages_free(self) -> int:
+        return len(self._qfree)
+
+    def retained_bytes_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Exact bytes of K/V each page-table row in `rows` retains, summed
+        over (layer, head): every valid slot's codes (or full-precision K/V)
+        and the scales of every page that holds a valid slot. A device
+        tensor (no sync); flushes first, like held_tokens_of_rows."""
+        self.flush()
+        c = self.config
+        element = torch.empty((), dtype=c.dtype).element_size()
+        formats = range(4)
+        per_slot = torch.tensor([kvf.slot_bytes(f, c.head_dim, element) for f in formats], device=self.valid.device)
+        per_page = torch.tensor([kvf.page_bytes(f, c.head_dim) for f in formats], device=self.valid.device)
+        out = []
+        for chunk in rows.split(ROWS_PER_COUNT):
+            table = self.table[chunk]
+            held = self.valid[table].sum(-1)  # [n, L, H, M]
+            fmt = self.format[table].long()
+            out.append((held * per_slot[fmt] + (held > 0) * per_page[fmt]).flatten(1).sum(-1))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=self.valid.device)
+
+    def can_allocate(self, pages_per_head: int, quant_per_head: int = 0) -> bool:
+        heads = self.config.heads
+        return pages_per_head * heads <= len(self._free) and quant_per_head * heads <= len(self._qfree)
 
     # ----- lifecycle (host) -----------------------------------------------
-    def allocate(self, rid: str, pages_per_head: int) -> None:
-        """Take `pages_per_head` pages for every (layer, head) of a request."""
+    def allocate(self, rid: str, pages_per_head: int, quant_per_head: int = 0) -> None:
+        """Take `pages_per_head` full-precision pages (the first columns)
+        and `quant_per_head` quantized pages for every (layer, head) of a request."""
         if rid in self._owned:
             raise KeyError(f"request {rid} already owns region pages")
         c = self.config
-        need = pages_per_head * c.heads
-        if need > len(self._free):
-            raise RegionFull(f"compressed region has {len(self._free)} free pages, {need} needed")
+        need, qneed = pages_per_head * c.heads, quant_per_head * c.heads
+        if need > len(self._free) or qneed > len(self._qfree):
+            raise RegionFull(f"compressed region has {len(self._free)} free pages and {len(self._qfree)} free "
+                             f"quantized pages, {need} and {qneed} needed")
         taken = self._free[len(self._free) - need:]
         del self._free[len(self._free) - need:]
         pages = torch.tensor(taken, dtype=torch.int64).view(c.num_layers, c.num_kv_heads, pages_per_head)
-        self._owned[rid] = _Owned(pages, count=need)
+        if qneed:
+            qtaken = self._qfree[len(self._qfree) - qneed:]
+            del self._qfree[len(self._qfree) - qneed:]
+            quant = torch.tensor(qtaken, dtype=torch.int64).view(c.num_layers, c.num_kv_heads, quant_per_head)
+            pages = torch.cat([pages, quant], dim=2)
+        self._owned[rid] = _Owned(pages, count=need + qneed)
 
     def bind(self, rid: str, row: int) -> None:
         """The request got its req_pool row: its pages enter the device table
@@ -194,7 +245,9 @@ class PageManager:
             # An earlier bind of this row must not resurrect the freed pages.
             self._pending.bind = [b for b in self._pending.bind if b[0] != owned.row]
             self._pending.null_entries = [e for e in self._pending.null_entries if e[0] != owned.row]
-        self._free.extend(owned.pages[owned.pages != self.null_page].tolist())
+        real = owned.pages[owned.pages != self.null_page]
+        self._free.extend(real[real < self.null_page].tolist())
+        self._qfree.extend(real[real > self.null_page].tolist())
         return owned.count
 
     def shrink(self, rid: str, pages_per_head: int) -> int:
@@ -208,7 +261,8 @@ class PageManager:
         owned.pages = owned.pages[:, :, :pages_per_head].clone()
         if owned.row >= 0:
             self._pending.null_entries.append((owned.row, pages_per_head))
-        self._free.extend(freed)
+        self._free.extend(p for p in freed if p < self.null_page)
+        self._qfree.extend(p for p in freed if p > self.null_page)
         owned.count -= len(freed)
         return len(freed)
 
@@ -264,10 +318,19 @@ class PageManager:
 
     def _clear_pages(self, pages: torch.Tensor) -> None:
         self.valid[pages] = self.const_false
+        self.format[pages] = 0  # a reused quantized page takes the format of its next group
         self.position[pages] = self.const_no_position
         self.score[pages] = self.const_zero
         self.last_hit[pages] = self.const_zero_int
         self.prefill_attention[pages] = self.const_zero
+
+    # ----- K/V of slots, whatever their precision ----------------------------
+    def kv_of(self, table: torch.Tensor, values: bool = True):
+        """K (and V) [*table.shape, page_size, D] of the pages in `table`, in
+        the region's dtype; quantized pages dequantized (tbq_store)."""
+        if self.quant is None:
+            return self.k[table], (self.v[table] if values else None)
+        return self.quant.kv_of(self, table, values)
 
     def width_of(self, rids) -> int:
         """Columns that cover every head of these requests (host)."""

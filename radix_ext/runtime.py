@@ -27,6 +27,7 @@ from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyPa
 
 from . import head_parallel, memory_split, metrics
 from .pages import PageManager, RegionConfig
+from .tbq_store import QuantPool
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class CompressedRequest:
     private_seen: int = 0  # private tokens stored so far (per layer and head)
     reported_tokens: int = 0  # what the retained gauges hold for this request
     reported_bytes: int = 0
+    reported_held: int = 0  # valid slots over (layer, head) behind reported_bytes
     #: SGLang's Req, to end it cleanly if the region cannot take its tokens.
     sgl_req: object = None
     #: Region pages allocated at admission for the request's compressed
@@ -76,6 +78,8 @@ class CompressedRequest:
     #: the backend gives its rows zeros until it ends. Admission allocates the
     #: ceiling, so this is a guard against policy bugs only.
     overflowed: bool = False
+    #: Its generated tokens are stored quantized (TBQ: tbq_store.py).
+    tbq: bool = False
 
     @property
     def private_prompt_in_region(self) -> bool:
@@ -99,6 +103,12 @@ class CompressedRequest:
     def pages_per_head(self, private_prompt: int, max_new_tokens: int, page_size: int) -> int:
         """The ceiling in whole pages per (layer, head)."""
         return -(-max(self.ceiling_tokens(private_prompt, max_new_tokens), 1) // page_size)
+
+    def page_need(self, private_prompt: int, max_new_tokens: int, page_size: int) -> tuple[int, int]:
+        """(full-precision, quantized) pages per (layer, head): with TBQ one
+        full page (the group being filled) and the ceiling in quantized pages."""
+        pages = self.pages_per_head(private_prompt, max_new_tokens, page_size)
+        return (1, pages) if self.tbq else (pages, 0)
 
 
 class KVRuntime:
@@ -134,9 +144,14 @@ class KVRuntime:
             bytes_per_page = 2 * page_size * head_dim * element
             pages = memory_split.region_pages(pool_tokens, num_layers, num_kv_heads, page_size, bytes_per_page,
                                               context_len)
+            bits = memory_split.quant_bits()
+            quant_page_bytes = QuantPool.bytes_per_page(head_dim, page_size, bits)
+            pages, quant_pages = memory_split.split_quantized(pages, num_layers * num_kv_heads, bytes_per_page,
+                                                              quant_page_bytes)
             self.region = PageManager(RegionConfig(
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                num_pages=pages, page_size=page_size, dtype=dtype, device=str(device), max_rows=max_rows))
+                num_pages=pages, page_size=page_size, dtype=dtype, device=str(device), max_rows=max_rows,
+                quant_pages=quant_pages, quant_bits=bits))
             self.counters = torch.zeros((max_rows, 2), dtype=torch.int64, device=device)
             self.overflow_flags = torch.zeros(max_rows, dtype=torch.bool, device=device)
             metrics.record_region(0, pages)
@@ -145,8 +160,9 @@ class KVRuntime:
             # and operators need this split at start-up.
             logger.warning(
                 "kvsieve KV memory split: SGLang token pool %.1f MiB (%d tokens), compressed region "
-                "%.1f MiB (%d pages x %d slots per (layer, kv head))",
-                pool_mib, pool_tokens, pages * bytes_per_page / 2**20, pages, page_size)
+                "%.1f MiB (%d pages x %d slots per (layer, kv head)) + %.1f MiB of %d-bit quantized pages (%d)",
+                pool_mib, pool_tokens, pages * bytes_per_page / 2**20, pages, page_size,
+                quant_pages * quant_page_bytes / 2**20, bits, quant_pages)
         return self.region
 
     # ----- request lifecycle (scheduler hooks) ------------------------------
@@ -166,7 +182,9 @@ class KVRuntime:
         cfg = self.region.config
         self.requests[rid] = CompressedRequest(
             rid=rid, spec=spec, policy=policy, params=params, prompt_len=prompt_len, sgl_req=sgl_req,
-            state=policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads))
+            state=policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads),
+            # Groups of generated tokens only: a prompt in the region stays in full precision.
+            tbq=policy.quantizes(params) and self.region.quant is not None and not spec.prompt_compressed)
         if policy.observes_tokens(self.requests[rid].state):
             self.token_observers.add(rid)
 
@@ -174,28 +192,28 @@ class KVRuntime:
         """Why the request can never run (its ceiling with nothing shared
         exceeds the whole region), or None."""
         cfg = self.region.config
-        need = req.pages_per_head(req.prompt_len, max_new_tokens, cfg.page_size) * cfg.heads
-        if need <= cfg.num_pages:
+        full, quant = req.page_need(req.prompt_len, max_new_tokens, cfg.page_size)
+        need, have = (quant * cfg.heads, cfg.quant_pages) if req.tbq else (full * cfg.heads, cfg.num_pages)
+        if need <= have and full * cfg.heads <= cfg.num_pages:
             return None
         # Starts with the field, which the API reports as the error's param.
-        return (f"kv_policy: this request may hold {need} pages of the compressed region "
-                f"(prompt {req.prompt_len} + max_tokens {max_new_tokens} tokens, budget "
+        return (f"kv_policy: this request may hold {need} {'quantized ' if req.tbq else ''}pages of the "
+                f"compressed region (prompt {req.prompt_len} + max_tokens {max_new_tokens} tokens, budget "
                 f"{req.budget_tokens(req.prompt_len + max_new_tokens)} per layer and kv head), but the region "
-                f"has {cfg.num_pages}; lower max_tokens or the budget")
+                f"has {have}; lower max_tokens or the budget")
 
     def fits(self, req: CompressedRequest, private_prompt: int, max_new_tokens: int) -> bool:
         """Whether the request's ceiling pages are free (always, once allocated)."""
         if req.reserved_pages:
             return True
-        return self.region.can_allocate(req.pages_per_head(private_prompt, max_new_tokens,
-                                                           self.region.config.page_size))
+        return self.region.can_allocate(*req.page_need(private_prompt, max_new_tokens, self.region.config.page_size))
 
     def reserve(self, req: CompressedRequest, private_prompt: int, max_new_tokens: int) -> None:
         """The request was admitted: allocate its ceiling pages until it ends."""
         if req.reserved_pages:
             return
         cfg = self.region.config
-        self.region.allocate(req.rid, req.pages_per_head(private_prompt, max_new_tokens, cfg.page_size))
+        self.region.allocate(req.rid, *req.page_need(private_prompt, max_new_tokens, cfg.page_size))
         req.reserved_pages = self.region.pages_of(req.rid)
         req.max_new_tokens = max_new_tokens
         self._record_pages()
@@ -254,6 +272,7 @@ class KVRuntime:
         if req is None:
             return
         if self.region is not None and req.prefix_len >= 0:
+            cfg = self.region.config
             usage = self._usage(req)
             if req.state is not None:
                 usage.update(req.policy.usage(req.state))
@@ -263,6 +282,8 @@ class KVRuntime:
                 metrics.EVICTION_EVENTS.labels(req.spec.name).inc(usage["eviction_events"])
                 metrics.RETAINED_TOKENS.labels(req.spec.name).dec(req.reported_tokens)
             metrics.RETAINED_BYTES.labels(req.spec.name).dec(req.reported_bytes)  # each rank its own bytes
+            metrics.RETAINED_ELEMENTS.labels(req.spec.name).dec(2 * cfg.head_dim * req.reported_held)
+            metrics.record_bits_per_element()
         if self.region is not None:
             self.region.free(rid)
             self._record_pages()
@@ -291,6 +312,8 @@ class KVRuntime:
         row = self.region.row_of(req.rid)
         held = self.region.held_tokens([req.rid])[0] if self.region.owns(req.rid) else 0
         evicted, events = self.counters[row].tolist() if row >= 0 else (0, 0)
+        size = int(self.region.retained_bytes_of_rows(to_device([row], torch.int64, self.counters.device))[0]) \
+            if row >= 0 else 0
         # A prompt kept in the radix cache is retained whole.
         kept_prompt = 0 if req.private_prompt_in_region else req.prompt_len - max(req.radix_hit, 0)
         return {
@@ -298,7 +321,10 @@ class KVRuntime:
             "evicted_tokens": evicted // cfg.heads,
             "eviction_events": events,
             # This rank's heads' bytes times the ranks (equal head counts each).
-            "retained_kv_bytes": head_parallel.total_bytes(held * cfg.bytes_per_page // cfg.page_size),
+            "retained_kv_bytes": head_parallel.total_bytes(size),
+            # Of the region's tokens: codes and scales over K and V elements.
+            "kv_bits_per_element": round(8 * size / (held * 2 * cfg.head_dim), 3) if held else None,
+            "tbq": req.tbq,
         }
 
     def after_step(self, force: bool = False) -> None:
@@ -321,7 +347,8 @@ class KVRuntime:
             return
         device = self.overflow_flags.device
         rows = to_device([self.region.row_of(r.rid) for r in live], torch.int64, device)
-        counts = torch.stack([self.region.held_tokens_of_rows(rows), self.overflow_flags[rows].long()])
+        counts = torch.stack([self.region.held_tokens_of_rows(rows), self.overflow_flags[rows].long(),
+                              self.region.retained_bytes_of_rows(rows)])
         event = None
         if counts.is_cuda:
             host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -345,17 +372,19 @@ class KVRuntime:
         self._snapshot = None
         cfg = self.region.config
         # A host tensor by now (pinned, its copy landed): reading it waits for nothing.
-        held_per_request, flags = counts.tolist()
-        for req, held, overflowed in zip(live, held_per_request, flags):
+        held_per_request, flags, bytes_per_request = counts.tolist()
+        for req, held, overflowed, size in zip(live, held_per_request, flags, bytes_per_request):
             if self.requests.get(req.rid) is not req or req.overflowed:
                 continue  # ended or failed since the counts were taken: end() settled its gauges
             if overflowed:
                 self.overflow(req)
-            tokens, size = held // cfg.heads, held * cfg.bytes_per_page // cfg.page_size
+            tokens = held // cfg.heads
             if head_parallel.reports_usage():
                 metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
             metrics.RETAINED_BYTES.labels(req.spec.name).inc(size - req.reported_bytes)
-            req.reported_tokens, req.reported_bytes = tokens, size
+            metrics.RETAINED_ELEMENTS.labels(req.spec.name).inc(2 * cfg.head_dim * (held - req.reported_held))
+            req.reported_tokens, req.reported_bytes, req.reported_held = tokens, size, held
+        metrics.record_bits_per_element()
 
     def _record_pages(self) -> None:
         metrics.record_region(self.region.pages_used, self.region.pages_free)

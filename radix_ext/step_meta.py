@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from kvsieve.kernels.kv_formats import FP8, NVFP4
 from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
@@ -91,6 +92,10 @@ class RegionRows:
     needs: Need  # observations any group asked for
     keeps_state: bool  # whether any group updates score / last_hit
     positions: Optional[torch.Tensor] = None  # [R] position of the decode token
+    #: Rows whose full-precision group is whole after this step (TBQ:
+    #: tbq_store.flush) and the format of each group; None when none.
+    flush_rows: Optional[torch.Tensor] = None  # [Rf] indices into the region rows
+    flush_format: Optional[torch.Tensor] = None  # [Rf] kernels.kv_formats ids
 
 
 @dataclass
@@ -289,7 +294,20 @@ class StepBuilder:
             rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests], steps, budgets,
                                      prefill=False)
             rows.positions = fb.positions[rows.batch_index]
+            self._flushes(rows, requests, steps)
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
+
+    def _flushes(self, rows: RegionRows, requests: list, steps: list[int]) -> None:
+        """TBQ rows whose group of `page_size` decode tokens is whole after
+        this step, and each group's format (asked after step_inputs, which
+        types the segments)."""
+        size = self.pages.config.page_size
+        due = [(r, req.policy.group_format(req.state, step + 1 - size))
+               for r, (req, step) in enumerate(zip(requests, steps)) if req.tbq and (step + 1) % size == 0]
+        if due:
+            top = FP8 if self.pages.config.quant_bits >= 8 else NVFP4  # the widest format a page row holds
+            rows.flush_rows = _long([r for r, _ in due], self.device)
+            rows.flush_format = _long([min(f, top) for _, f in due], self.device)
 
     def _build_extend(self, fb) -> Optional[StepMeta]:
         region, pool, zero = [], [], []

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from pydantic import Field, field_validator
+
+from kvsieve.kernels import kv_formats as kvf
 
 from . import calibration as calib
 from ..base import ModelInfo, Policy, PolicyParams, RequestState, StepRow
@@ -43,6 +45,10 @@ class ThinKVParams(PolicyParams):
     retention: tuple[int, ...] = Field(default=(64, 32, 16, 8, 4), min_length=1, max_length=16,
                                        description="tokens a segment keeps after its 1st, 2nd, ... anneal")
     kmeans_iters: int = Field(default=8, ge=0, le=100, description="Lloyd iterations choosing the survivors")
+    tbq: bool = Field(default=True, description="quantize generated tokens by thought type (TBQ, §4.2)")
+    tbq_precision: Literal["R4E4T2", "R8E4T2"] = Field(
+        default="R4E4T2", description="bits of reasoning, execution and transition tokens (8: FP8, 4: NVFP4, "
+                                      "2: ternary)")
 
     @field_validator("retention")
     @classmethod
@@ -112,6 +118,22 @@ class ThinKVPolicy(Policy):
         if state.fallback:
             _count_fallback(state.fallback.split(":", 1)[0])
         return state
+
+    # ----- quantized pages (TBQ) ------------------------------------------------
+    def quantizes(self, params: ThinKVParams) -> bool:
+        return params.tbq
+
+    def group_format(self, state: ThinKVState, first_step: int) -> int:
+        """The format of the thought type of the segment that holds the
+        group's first token (a segment not typed yet counts as R)."""
+        book = state.book
+        seg = book.generated(first_step // book.refresh) if book is not None else None
+        thought = Thought.REASONING if seg is None or seg.thought is None else seg.thought
+        if thought == Thought.TRANSITION:
+            return kvf.TERNARY
+        if thought == Thought.REASONING and state.params.tbq_precision == "R8E4T2":
+            return kvf.FP8
+        return kvf.NVFP4
 
     # ----- per step (host) ------------------------------------------------------
     def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
