@@ -140,7 +140,8 @@ class SkipKVPolicy(RKVBase):
         decode = self.model.decode if self.model is not None else None
         delimiters = self.model.delimiter_ids if self.model is not None else frozenset()
         if decode is None:
-            raise KVPolicyError("kv_policy.params.steering", "the engine has no tokenizer: no newline tokens to steer at")
+            raise KVPolicyError("kv_policy.params.steering",
+                                "the engine has no tokenizer: no newline tokens to steer at")
         newline = steering.token_table([i for i in delimiters if "\n" in decode([i])], engine.device)
         if newline is None:
             raise KVPolicyError("kv_policy.params.steering", "the model's vocabulary has no newline token")
