@@ -133,6 +133,14 @@ class Policy:
     #: once tests_gpu/test_region_pass_cuda.py passes for the policy on a
     #: GPU (replay equals the eager pass, no host sync).
     graph_safe: ClassVar[bool] = False
+    #: Whether observe_decode alone may be captured and replayed, for a
+    #: policy whose select_decode may not (it hands a snapshot to the host):
+    #: the steps between its decisions then replay from graphs.
+    observe_graph_safe: ClassVar[bool] = False
+    #: Whether the policy reads the first layer's observations only
+    #: (attention, slot state): the other layers compute none for its rows
+    #: and skip its observe_decode; select_decode still runs in every layer.
+    observes_first_layer_only: ClassVar[bool] = False
 
     # ----- batched decisions (inside the forward) ---------------------------
     def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:

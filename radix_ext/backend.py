@@ -258,6 +258,9 @@ class KvsieveAttnBackend(AttentionBackend):
         R, H, M = table.shape
         P = p.config.page_size
         idx = rows.batch_index
+        first = layer.layer_id == 0
+        needs = rows.needs if first else rows.later_needs
+        keeps_state = rows.keeps_state if first else rows.later_keeps_state
         # 1. The new token goes to each (row, head)'s first free slot.
         with span("kvsieve.store"):
             real = (table < p.null_page).unsqueeze(-1)  # full-precision pages (TBQ: the first column only)
@@ -279,20 +282,20 @@ class KvsieveAttnBackend(AttentionBackend):
                 pool = self.token_to_kv_pool
                 out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
                                             pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
-                                            p.k, p.v, p.valid, table, layer.scaling, rows.needs, region_vnorm=p.vnorm,
+                                            p.k, p.v, p.valid, table, layer.scaling, needs, region_vnorm=p.vnorm,
                                             quant=p.quant, formats=p.format)
                 o3[idx] = out.to(o3.dtype)
             else:
                 rk, rv, view = self._slots(table)
                 pk, pv = self._prefix_kv(layer, rows)
                 out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv,
-                                       view.valid.unsqueeze(1), layer.scaling, rows.needs)
+                                       view.valid.unsqueeze(1), layer.scaling, needs)
                 o3[idx] = out[:, 0].to(o3.dtype)
         if self.use_kernel:
             with span("kvsieve.view"):  # what the decisions read of the slots (keys: per deciding group)
-                view = self._view(table, keys=False, state=rows.keeps_state)
+                view = self._view(table, keys=False, state=keeps_state)
         # 3-4. Decide and evict.
-        self._decide(layer, table, view, obs, rows.groups, rows.keeps_state, rows.pool_rows, prefill=False)
+        self._decide(layer, table, view, obs, rows.groups, keeps_state, rows.pool_rows, prefill=False)
 
     def _decide(self, layer, table, view, obs, groups, keeps_state, pool_rows, prefill):
         """One batched call per policy class; then write valid bits (and the
@@ -303,10 +306,12 @@ class KvsieveAttnBackend(AttentionBackend):
         rows = view.valid.shape[0]
         for group in groups:  # one per policy class present (two when only some rows decide), not per row
             g = group.rows
+            deciding = group.action == "decide"
+            if not deciding and layer.layer_id and group.policy.observes_first_layer_only:
+                continue
             # Every row in one policy (members ascend): the view as it is, no
             # gathers of the group's rows and no scatters back.
             whole = len(group.members) == rows
-            deciding = group.action == "decide"
             # Keys only for the rows of a decision that reads them (Need.KEYS):
             # a gather of [rows, heads, slots, head_dim], as large as the K read
             # by attention, so never for rows that only observe.

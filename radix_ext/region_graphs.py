@@ -14,9 +14,10 @@ output rows out around a replay.
 Shapes seen for the first time run eagerly; the second consecutive step of
 the same shapes runs the pass eagerly for real, then captures it (capture
 records, it does not execute), so no step is applied twice.
-Only policies marked `graph_safe` are captured: their decisions are tensor
-functions of (batch, view, obs) whose host-side inputs (shapes, parameter
-maxima) are part of the key. SGLang's own graphs keep running batches
+Only policies marked `graph_safe` are captured (and the observing rows of
+those marked `observe_graph_safe`): their decisions are tensor functions of
+(batch, view, obs) whose host-side inputs (shapes, parameter maxima) are
+part of the key. SGLang's own graphs keep running batches
 without compressed rows (plugin.graphs_skip_compressed_batches).
 """
 
@@ -62,7 +63,8 @@ def signature(step, needs_keys: bool) -> Optional[tuple]:
         return None
     groups = []
     for group in rows.groups:
-        if not getattr(group.policy, "graph_safe", False):
+        policy = group.policy
+        if not (policy.graph_safe or (group.action == "observe" and policy.observe_graph_safe)):
             return None
         groups.append((type(group.policy).__qualname__, group.action, tuple(sorted(group.maxima.items())),
                        tuple(sorted(group.inputs))))

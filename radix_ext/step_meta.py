@@ -91,6 +91,10 @@ class RegionRows:
     groups: list  # PolicyGroup per policy class present
     needs: Need  # observations any group asked for
     keeps_state: bool  # whether any group updates score / last_hit
+    #: The same past the first layer: groups of policies that observe the
+    #: first layer only (Policy.observes_first_layer_only) ask for nothing there.
+    later_needs: Need = Need.NONE
+    later_keeps_state: bool = False
     positions: Optional[torch.Tensor] = None  # [R] position of the decode token
     #: Rows whose full-precision group is whole after this step (TBQ:
     #: tbq_store.flush) and the format of each group; None when none.
@@ -237,13 +241,17 @@ class StepBuilder:
             prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
             prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
         groups = self._groups(requests, list(range(len(requests))), steps, budgets, pool_rows, prefill)
-        needs = Need.NONE
+        needs = later_needs = Need.NONE
         for g in groups:
             needs |= g.policy.needs
+            if not g.policy.observes_first_layer_only:
+                later_needs |= g.policy.needs
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev), groups=groups,
-            needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups))
+            needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
+            later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
+                                  for g in groups))
 
     # ----- the step ---------------------------------------------------------
     def build(self, forward_batch) -> Optional[StepMeta]:

@@ -79,6 +79,24 @@ def test_the_pass_on_captured_static_tensors_equals_the_eager_pass(policy):
     _assert_static_entries_equal_the_eager_pass(policy)
 
 
+def test_crystalcache_replays_the_steps_between_its_breath_cycles_equal_to_the_eager_pass():
+    # observe_graph_safe: the observing steps replay, the two deciding steps
+    # of each cycle (snapshot, keep table) run eagerly. Budget 62 (the floor
+    # with no sinks or recent window) and breath 16: cycles at steps 64, 80
+    # and 96 evict.
+    args = dict(rows=ROWS, prompt=PROMPT, steps=100, shapes=TINY, budget=62, device="cpu", dtype=torch.float32,
+                params={"sinks": 0, "recent": 0, "breath": 16}, token_ids=True)
+    eager = run_steps("crystalcache", **args)
+    graphed = run_steps("crystalcache", **args, graphs=RerunGraphs())
+    captures, replays = graphed["captures_replays"]
+    assert captures >= TINY.layers and replays > TINY.layers * 100 // 2
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+    valid = eager["state"][0]
+    assert 0 < int(valid.sum()) < ROWS * TINY.layers * TINY.kv_heads * 100  # the cycles evicted
+
+
 def test_skipkv_on_captured_static_tensors_equals_the_eager_pass_with_redundant_sentences(monkeypatch):
     monkeypatch.setattr(get_policy("skipkv"), "step_inputs", redundant_sentences(PROMPT))
     _assert_static_entries_equal_the_eager_pass("skipkv")

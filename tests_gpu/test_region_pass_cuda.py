@@ -47,6 +47,20 @@ def test_skipkv_graph_replay_equals_the_eager_pass_with_redundant_sentences(monk
     _assert_replay_equals_eager("skipkv")
 
 
+def test_crystalcache_graph_replay_equals_the_eager_pass_across_breath_cycles():
+    # observe_graph_safe: the steps between cycles replay; breath 16 and
+    # budget 62 make cycles at steps 64, 80 and 96 evict.
+    args = dict(rows=ROWS, prompt=PROMPT, steps=100, shapes=QWEN_7B, budget=62, device="cuda",
+                params={"sinks": 0, "recent": 0, "breath": 16}, token_ids=True)
+    eager = run_steps("crystalcache", **args)
+    graphed = run_steps("crystalcache", **args, graphs=RegionGraphs())
+    captures, replays = graphed["captures_replays"]
+    assert captures > 0 and replays > QWEN_7B.layers * 50
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("policy", GRAPH_SAFE)
 def test_the_decode_pass_makes_no_host_sync(policy):
     """From the step's metadata to the last layer's eviction; the fake

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from kvsieve.policies.crystalcache.prefill import TAU_EDGE, Dissolution, branch_dissolve
 
 BETA0, D_C = 0.05, 2.0
@@ -34,6 +36,24 @@ def decay_crystal(crystal: list[float], mbar: list[float], steps: int = 1) -> li
     out = list(crystal)
     for _ in range(steps):
         out = [max(0.0, d - BETA0 * math.exp(-d * m / D_C) * d) for d, m in zip(out, mbar)]
+    return out
+
+
+def decay_rows(crystals: list[list[float]], mbars: list[list[float]], steps: list[int]) -> list[list[float]]:
+    """decay_crystal for many requests at once, each its own number of
+    steps: one tensor of every request's trunks, one update per step."""
+    sizes = [len(c) for c in crystals]
+    if not sum(sizes):
+        return [[] for _ in crystals]
+    d = torch.tensor([x for c in crystals for x in c], dtype=torch.float64)
+    m = torch.tensor([x for c in mbars for x in c], dtype=torch.float64)
+    todo = torch.repeat_interleave(torch.tensor(steps, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64))
+    for i in range(max(steps)):
+        d = torch.where(todo > i, (d - BETA0 * torch.exp(-d * m / D_C) * d).clamp(min=0.0), d)
+    flat, out, at = d.tolist(), [], 0
+    for n in sizes:
+        out.append(flat[at:at + n])
+        at += n
     return out
 
 

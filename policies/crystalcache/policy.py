@@ -53,7 +53,7 @@ import torch
 from pydantic import Field
 
 from ..base import Policy, PolicyParams, RequestState
-from .decode import decay_crystal
+from .decode import decay_rows
 from .prefill import (
     M_MAX, M_MIN, T_MAX, TAU_CROSS, TAU_INTRA, TOP_HEADS, Dissolution, PrefillResult, branch_dissolve,
     build_trunks, crystallization, encoding_impact, sentences, trunk_graph, trunk_impact,
@@ -90,7 +90,7 @@ class CrystalCacheState(RequestState):
         self.trunks: Optional[CrystalTrunks] = None
         self.base = -1  # absolute position of the first private token
         self.decoding = False  # set by step_inputs: on_tokens then sees generated tokens
-        self.queued: list = []  # device [2, T] (positions, ids) of generated tokens not yet in the trunk table
+        self.queued: list = []  # (position, id) of generated tokens read back, not yet in the trunk table
         self.last_decay = 0  # decode step up to which D has decayed
         self.snapshot = None  # host (positions [H, S], scores, valid, key norms), read from the first layer
         self.keep = None  # (kept positions, judged) to ship at the next step
@@ -108,9 +108,20 @@ class CrystalCachePolicy(Policy):
     description = ("CrystalCache: one index set per request over sentence trunks; prefill S1-S6 from the first "
                    "layer's attention, decode breath cycles (decay, resonance, Hebbian, re-eviction).")
 
-    _snap = None  # (states, device tensors) of the last first-layer snapshot, until step_inputs reads it
-    _snap_states: list = []
+    #: The first layer only: its attention and slot state are all the policy reads.
+    observes_first_layer_only = True
+    #: observe_decode is tensor work on the view alone; select_decode hands
+    #: its snapshot to the host, so only the steps between decisions replay.
+    observe_graph_safe = True
+
+    _snap = None  # ([(state, taken)], device tensors) of the last first-layer snapshot, until step_inputs reads it
+    _snapped = False  # some request holds a snapshot to run its breath cycle on
+    _due = None  # deciding_rows' answer for this step's rows
     heads_size = 1  # tensor-parallel ranks whose heads the snapshot holds
+
+    def __init__(self):
+        self._forwards = []
+        self._snap_states = {}
 
     def begin_request(self, params, num_layers, num_kv_heads) -> CrystalCacheState:
         return CrystalCacheState(params, num_layers, num_kv_heads)
@@ -185,34 +196,75 @@ class CrystalCachePolicy(Policy):
 
     # ----- decode: host, between steps ---------------------------------------------
     def on_tokens(self, state, positions, token_ids, hidden_states):
-        if state.decoding and state.params.decode:
-            state.queued.append(torch.stack([positions.long(), token_ids.long()]))  # a copy, read at a breath
+        self.on_forward_tokens([(state, 0, positions.shape[0])], positions, token_ids, hidden_states)
+
+    def on_forward_tokens(self, requests, positions, token_ids, hidden_states):
+        """The forward's generated tokens of every decoding request in one
+        device gather (kept on the device until a breath cycle reads them)."""
+        taken = [(st, start, n) for st, start, n in requests if st.decoding and st.params.decode]
+        if not taken:
+            return
+        index = [t for _, start, n in taken for t in range(start, start + n)]
+        at = to_device(index, torch.int64, positions.device)
+        self._forwards.append(([(st, n) for st, _, n in taken],
+                               torch.stack([positions[at].long(), token_ids[at].long()])))
+
+    def _flush_tokens(self) -> None:
+        """Every forward's queued tokens to the host (one read) and onto
+        their requests' queues."""
+        if not self._forwards:
+            return
+        forwards, self._forwards = self._forwards, []
+        host = torch.cat([t for _, t in forwards], dim=1).tolist()  # between steps: allowed
+        at = 0
+        for owners, _ in forwards:
+            for st, n in owners:
+                st.queued.extend(zip(host[0][at:at + n], host[1][at:at + n]))
+                at += n
 
     def step_inputs(self, rows, device):
         self._read_snapshot()
+        self._due = None
         if not rows or rows[0].prefill:
             for row in rows:
                 row.state.decoding = False
             return {}
         for row in rows:
             row.state.decoding = True
-            st = row.state
-            if st.snapshot is not None:
-                self._breath(st, row.step, effective_budget(st.params, row.budget))
-        inputs = {}
+        if self._snapped:
+            self._flush_tokens()
+            cycle = [row for row in rows if row.state.snapshot is not None]
+            self._decay([row.state for row in cycle], [row.step for row in cycle])
+            for row in cycle:
+                self._breath(row.state, effective_budget(row.state.params, row.budget))
+            self._snapped = False
         fresh = [row.state.keep for row in rows]
+        snap = [row.state.params.decode and (row.step + 1) % row.state.params.breath == 0 for row in rows]
+        due = [k is not None or s for k, s in zip(fresh, snap)]
+        if not any(due):
+            return {}
+        self._due = due
+        inputs = {}
         if any(k is not None for k in fresh):
             kept = [k[0] if k is not None else [] for k in fresh]
             judged = [k[1] if k is not None else 0 for k in fresh]
             inputs["keep"] = to_device(keep_table(kept, judged, max(judged) + 1), torch.bool, device)
             for row in rows:
                 row.state.keep = None
-        due = [i for i, row in enumerate(rows)
-               if row.state.params.decode and (row.step + 1) % row.state.params.breath == 0]
-        self._snap_states = [rows[i].state for i in due]
-        if due:
-            inputs["snap_index"] = to_device(due, torch.int64, device)
+        # The rows' states in the order select_decode sees them (the deciding
+        # rows, or every row), by row count; those due a snapshot are read
+        # back at the next step.
+        every = [(row.state, s) for row, s in zip(rows, snap)]
+        self._snap_states = {len(rows): every, sum(due): [e for e, d in zip(every, due) if d]}
+        if any(snap):
+            inputs["snap"] = to_device(snap, torch.bool, device)
         return inputs
+
+    def deciding_rows(self, rows):
+        """Rows with a keep table to apply or a snapshot to take this step:
+        two steps per breath cycle. The others only accumulate the first
+        layer's attention (observe_decode)."""
+        return self._due if self._due is not None else [False] * len(rows)
 
     def _read_snapshot(self) -> None:
         """The first layer's snapshot of the last step, to the host (one read)."""
@@ -221,10 +273,23 @@ class CrystalCachePolicy(Policy):
         states, tensors = self._snap
         self._snap = None
         host = torch.stack([t.double() for t in tensors]).cpu()  # between steps: allowed
-        for i, st in enumerate(states):
-            st.snapshot = host[:, i]
+        for i, (st, taken) in enumerate(states):
+            if taken:
+                st.snapshot = host[:, i]
+                self._snapped = True
 
-    def _breath(self, st: CrystalCacheState, step: int, budget: int) -> None:
+    @staticmethod
+    def _decay(states: list, steps: list[int]) -> None:
+        """D's per-step decay since each request's last cycle, for all of them at once."""
+        tables = [(st, step) for st, step in zip(states, steps) if st.trunks is not None]
+        decayed = decay_rows([st.trunks.crystal for st, _ in tables], [st.trunks.trunk_m for st, _ in tables],
+                             [max(step - st.last_decay, 0) for st, step in tables])
+        for (st, _), crystal in zip(tables, decayed):
+            st.trunks.crystal = crystal
+        for st, step in zip(states, steps):
+            st.last_decay = step
+
+    def _breath(self, st: CrystalCacheState, budget: int) -> None:
         positions, scores, valid, norms = st.snapshot
         st.snapshot = None
         valid = valid.bool()
@@ -240,14 +305,12 @@ class CrystalCachePolicy(Policy):
         heads = max(self.model.num_q_heads * self.heads_size, 1) if self.model is not None else 1
         scale = TOP_HEADS / heads
         mass_l, norm_l, count_l = mass.tolist(), norm.tolist(), count.tolist()
-        tokens = torch.cat(st.queued, dim=1).tolist() if st.queued else [[], []]
+        tokens = [[p for p, _ in st.queued], [t for _, t in st.queued]]
         st.queued = []
         if st.trunks is None:  # prompt kept in the radix cache: trunks from generated tokens only
             st.trunks = CrystalTrunks(_empty_prefill(), [], self._delimiters())
             st.base = min(tokens[0]) if tokens[0] else present[0]
         trunks = st.trunks
-        trunks.crystal = decay_crystal(trunks.crystal, trunks.trunk_m, max(step - st.last_decay, 0))
-        st.last_decay = step
         waiting = {p for p, _ in trunks.pending} | set(tokens[0])
         trunks.receive({p: mass_l[p] * scale for p in waiting if p < width and count_l[p]})
         for p, t in zip(tokens[0], tokens[1]):
@@ -261,6 +324,7 @@ class CrystalCachePolicy(Policy):
         known = max(max((g[-1] for g in trunks.trunks if g), default=-1),
                     max((p for p, _ in trunks.pending), default=-1))
         kept = trunks.breath(inv, budget, n_sink=st.base + st.params.sinks)
+        trunks.drop_dead()
         st.keep = (kept, known + 1)
 
     def end_request(self, state):
@@ -269,6 +333,12 @@ class CrystalCachePolicy(Policy):
         state.snapshot = None
 
     # ----- per layer (device) ------------------------------------------------------
+    def observe_decode(self, batch, view, obs):
+        """Between decisions: the first layer's attention accumulates in
+        view.score; the other layers have nothing to do."""
+        if batch.layer == 0 and obs.attention is not None:
+            view.score.add_(torch.where(view.valid, obs.attention.float(), torch.zeros_like(view.score)))
+
     def select_decode(self, batch, view, obs):
         keep = batch.inputs.get("keep")
         evict = evict_outside(keep, view) if keep is not None else None
@@ -276,18 +346,16 @@ class CrystalCachePolicy(Policy):
             valid = view.valid if evict is None else view.valid & ~evict
             if obs.attention is not None:
                 view.score.add_(torch.where(valid, obs.attention.float(), torch.zeros_like(view.score)))
-            index = batch.inputs.get("snap_index")
-            if index is not None:
+            snap = batch.inputs.get("snap")
+            if snap is not None:
                 keys = view.keys
-                norms = (keys[index].float().norm(dim=-1) if keys is not None
-                         else torch.ones_like(view.score[index]))
+                norms = keys.float().norm(dim=-1) if keys is not None else torch.ones_like(view.score)
                 # Every rank's heads (tensor parallelism): the breath cycle
                 # sums them per position, and every rank must keep the same set.
                 gather, self.heads_size = batch.heads.gather, batch.heads.size
-                self._snap = (list(self._snap_states), (gather(view.position[index], 1),
-                                                        gather(view.score[index].clone(), 1),
-                                                        gather(valid[index].to(torch.int8), 1), gather(norms, 1)))
-                view.score[index] = 0.0
+                self._snap = (self._snap_states[view.valid.shape[0]], (gather(view.position, 1), gather(view.score.clone(), 1),
+                                                        gather(valid.to(torch.int8), 1), gather(norms, 1)))
+                view.score.masked_fill_(snap.view(-1, 1, 1), 0.0)
         return evict
 
 
@@ -295,15 +363,17 @@ def prompt_edges(pa: PromptAttention) -> dict[tuple[int, int], float]:
     """S1's edge set from the probe's candidates: intra pairs with cosine
     > TAU_INTRA, cross pairs with head-mean attention > TAU_CROSS; one weight
     per unordered pair (the largest)."""
-    edges: dict[tuple[int, int], float] = {}
+    ends, weights = [], []
     for index, weight, tau in ((pa.intra_index, pa.intra_weight, TAU_INTRA),
                                (pa.cross_index, pa.cross_weight, TAU_CROSS)):
         ok = (index >= 0) & (weight > tau)
         rows, cols = ok.nonzero(as_tuple=True)
-        for i, j, w in zip(rows.tolist(), index[rows, cols].tolist(), weight[rows, cols].tolist()):
-            key = (min(i, j), max(i, j))
-            edges[key] = max(w, edges.get(key, w))
-    return edges
+        ends.append(torch.stack([rows, index[rows, cols]]))
+        weights.append(weight[rows, cols])
+    pairs, weight = torch.cat(ends, dim=1), torch.cat(weights)
+    order = weight.argsort(stable=True)  # ascending: a pair's largest weight is written last
+    low, high = pairs.min(dim=0).values[order].tolist(), pairs.max(dim=0).values[order].tolist()
+    return dict(zip(zip(low, high), weight[order].tolist()))
 
 
 def shifted(trunks: CrystalTrunks, base: int) -> CrystalTrunks:

@@ -75,8 +75,8 @@ class CrystalTrunks:
         graph = {(index[a], index[b]): w for (a, b), w in self.graph.items() if a in index and b in index}
         width = max(self.impact) + 1
         impact = torch.zeros(width, dtype=torch.float64)
-        for p, m in self.impact.items():
-            impact[p] = m
+        impact[torch.tensor(list(self.impact), dtype=torch.int64)] = torch.tensor(list(self.impact.values()),
+                                                                                  dtype=torch.float64)
         out, graph = breath_cycle([self.trunks[t] for t in live], impact, [self.trunk_m[t] for t in live],
                                   [self.crystal[t] for t in live], graph, inv_key_norm,
                                   budget - len(self.pending), n_sink)
@@ -86,6 +86,21 @@ class CrystalTrunks:
             self.crystal[t] = out.crystal[i]
         self.graph = {(live[a], live[b]): w for (a, b), w in graph.items()}
         return sorted(kept | {p for p, _ in self.pending})
+
+
+    def drop_dead(self) -> None:
+        """Forget trunks with no cached token left (no breath cycle judges
+        them again) and the M_i of evicted positions, so that a cycle's
+        work follows what is cached, not everything generated so far."""
+        live = [t for t, g in enumerate(self.trunks) if g]
+        if len(live) < len(self.trunks):
+            index = {t: i for i, t in enumerate(live)}
+            self.trunks = [self.trunks[t] for t in live]
+            self.trunk_m = [self.trunk_m[t] for t in live]
+            self.crystal = [self.crystal[t] for t in live]
+            self.graph = {(index[a], index[b]): w for (a, b), w in self.graph.items() if a in index and b in index}
+        cached = {p for g in self.trunks for p in g}
+        self.impact = {p: m for p, m in self.impact.items() if p in cached}
 
 
 def encoding_impact_counts(saliency: torch.Tensor, counts: list[int]) -> torch.Tensor:

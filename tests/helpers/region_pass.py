@@ -72,6 +72,7 @@ class RegionPass:
     shapes: Shapes
     prompt: int
     device: str
+    token_ids: bool = False  # hand the policy each step's token ids (Need.TOKEN_IDS)
 
     def batch(self, s: int) -> SimpleNamespace:
         seq = [self.prompt + s + 1] * len(self.rids)
@@ -96,6 +97,8 @@ class RegionPass:
             if backend.graphs is None or not backend.graphs.run(backend._decode_region, self.layer, q3, k3, v3, o3):
                 backend._decode_region(q3, k3, v3, o3, self.layer, step)
             outputs.append(o3)
+        if self.token_ids:  # one id per row after the step: its position mod 50
+            RUNTIME.observe_tokens(forward_batch, forward_batch.positions % 50, None)
         return torch.stack(outputs)
 
     def region_state(self) -> tuple:
@@ -113,7 +116,8 @@ class RegionPass:
 
 
 def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shapes = QWEN_7B, budget: int = 16,
-                device: str = "cuda", dtype=torch.bfloat16, graphs=None) -> RegionPass:
+                device: str = "cuda", dtype=torch.bfloat16, graphs=None, params: dict | None = None,
+                token_ids: bool = False) -> RegionPass:
     """The kvsieve backend outside SGLang (RUNTIME set up afresh: call
     close() after). Seed torch first where two runs must see the same pool."""
     L, H = shapes.layers, shapes.kv_heads
@@ -133,14 +137,16 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
                             graphs=graphs)
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):
-        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget, "compress_prompt": False}},
+        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget, "compress_prompt": False,
+                                          "params": params or {}}},
                       prompt_len=prompt, sgl_req=SimpleNamespace(req_pool_idx=i + 1, to_finish=None))
         req = RUNTIME.requests[rid]
         RUNTIME.reserve(req, 0, steps + 1)
         req.prefix_len = prompt  # the prompt is in the token pool (compress_prompt off)
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=shapes.q_heads, tp_k_head_num=H, qk_head_dim=shapes.head_dim,
                             v_head_dim=shapes.head_dim, scaling=shapes.head_dim ** -0.5)
-    return RegionPass(backend=backend, layer=layer, rids=rids, shapes=shapes, prompt=prompt, device=device)
+    return RegionPass(backend=backend, layer=layer, rids=rids, shapes=shapes, prompt=prompt, device=device,
+                      token_ids=token_ids)
 
 
 def random_qkv(rows: int, shapes: Shapes, generator: torch.Generator, device: str, dtype=torch.bfloat16):
@@ -151,13 +157,13 @@ def random_qkv(rows: int, shapes: Shapes, generator: torch.Generator, device: st
 
 
 def run_steps(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shapes, budget: int, device: str,
-              dtype=torch.bfloat16, graphs=None) -> dict:
+              dtype=torch.bfloat16, graphs=None, params: dict | None = None, token_ids: bool = False) -> dict:
     """Decode steps 0..steps-1 of `rows` requests on random q/k/v (seeded:
     two calls see the same pool and inputs): every step's outputs, the
     region's final state, and (captures, replays) when graphs ran."""
     torch.manual_seed(0)  # the token pool's random prefix K/V
     run = region_pass(policy, rows, prompt, steps, shapes=shapes, budget=budget, device=device, dtype=dtype,
-                      graphs=graphs)
+                      graphs=graphs, params=params, token_ids=token_ids)
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         outputs = torch.stack([run.step(s, *random_qkv(rows, shapes, gen, device, dtype)) for s in range(steps)])
