@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -184,11 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     watch_path = out / "replicas.jsonl"
     watch = ReplicaWatch(args.host, watch_path, args.replicas_every).start() if args.replicas_every > 0 else None
     locust_start = time.time()
+    # Stopped (SIGTERM), this runner takes locust down with it: a locust left
+    # running would go on loading the server for the rest of its stages.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    proc = subprocess.Popen(locust, cwd=HERE, env=env)
     try:
-        proc = subprocess.run(locust, cwd=HERE, env=env)
+        proc.wait()
         refresh_kv_gauges(args.host)
         state, waited = wait_for_idle(args.host, args.drain_timeout)
     finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
         if watch is not None:
             watch.stop()
     summary = summarize(read_log(log_path))

@@ -46,7 +46,8 @@ def test_deployment_options_from_settings():
     assert "num_replicas" not in auto
     assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
                                           "target_ongoing_requests": 2.0, "upscale_delay_s": 10.0,
-                                          "downscale_delay_s": 60.0, "look_back_period_s": 30.0}
+                                          "downscale_delay_s": 60.0, "look_back_period_s": 30.0,
+                                          "metrics_interval_s": 10.0}
 
 
 def metric_samples(text: str, name: str) -> list:

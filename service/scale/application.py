@@ -61,6 +61,8 @@ def engine_deployment_options(settings: Settings, metrics_dir: str) -> dict:
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
+            # At least two reports of the ongoing requests within the window.
+            "metrics_interval_s": min(10.0, a.look_back_period_s / 2),
         }
     else:
         options["num_replicas"] = ray_cfg.replicas or 1
