@@ -1,7 +1,7 @@
 """Decision cost per policy per decode step:
 
     python bench/policy_cost.py OUT.json [--device cpu|cuda] [--batches 1,8,32 | --batch 256] [--budget 32]
-                                         [--step-ms 256=MS,...] [--threads N]
+                                         [--step-ms 256=MS,...] [--threads N] [--policies a,b] [--prompt 512]
 
 Every registered compressing policy's `select_decode` on random slots and
 observations, for every layer of a step (medians of timed steps), as a
@@ -13,7 +13,10 @@ step time from bench/results/gpu-batched-graphs.json vanilla at batch 64,
 a lower bound for larger batches, unless --step-ms gives one). Policies
 whose decision needs per-step inputs get them from their own step_inputs
 on fresh request states, anything else from a FIXTURES hook; one that
-cannot run this way is listed with why.
+cannot run this way is listed with why. A policy with an observe_decode
+also gets the cost of that (the step of a row whose decision is not due),
+and one that reads the first layer's prompt probe (Need.LAYER0_ATTENTION)
+the cost of its prompt's end for the batch (`--prompt` tokens each).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.policies import Need, Observations, PolicyBatch, SlotView, get_policy, policy_names
-from kvsieve.policies.base import ModelInfo, StepRow
+from kvsieve.policies.base import ModelInfo, Policy, StepRow
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"cpu": dict(model="SmolLM2-135M-Instruct", layers=30, kv_heads=3, q_heads=9, head_dim=64),
@@ -56,9 +59,75 @@ def _crystalcache_breath_step(policy, batch, view, obs, shape):
     R, _, S = view.valid.shape
     g = torch.Generator(device=view.valid.device).manual_seed(1)
     batch.inputs["keep"] = torch.rand(R, S, generator=g, device=view.valid.device) < 0.5
-    batch.inputs["snap_index"] = torch.arange(R, device=view.valid.device)
+    batch.inputs["snap"] = torch.ones(R, dtype=torch.bool, device=view.valid.device)
+    policy._snap_states = {R: [(None, True)] * R}  # what step_inputs records for a snapshot step
     if view.keys is None:  # Need.LAYER0_KEYS: the first layer's keys
         view.keys = torch.randn(R, view.valid.shape[1], S, shape["head_dim"], generator=g, device=view.valid.device)
+
+
+def time_observe(name: str, rows: int, shape: dict, budget: int, device: str, steps: int) -> float | None:
+    """observe_decode over every layer (the step of a row whose decision is
+    not due), or None for a policy that observes nothing between decisions."""
+    cls = get_policy(name)
+    if cls.observe_decode is Policy.observe_decode:
+        return None
+    policy = cls()
+    policy.bind_model(ModelInfo(name=shape["model"], num_layers=shape["layers"], num_kv_heads=shape["kv_heads"],
+                                num_q_heads=shape["q_heads"], head_dim=shape["head_dim"]))
+    batch, view, obs = inputs(cls, policy, rows, shape, budget, device)
+    batch.inputs = {}
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        for layer in range(shape["layers"]):
+            batch.layer = layer
+            if layer and cls.observes_first_layer_only:
+                continue  # the engine skips it past the first layer
+            policy.observe_decode(batch, view, obs)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def time_prompt_end(name: str, rows: int, shape: dict, prompt: int, device: str, steps: int) -> float | None:
+    """Need.LAYER0_ATTENTION: the prompt's end of `rows` requests of
+    `prompt` private tokens (the probe's read-back and the policy's
+    prompt_attention_inputs; the probe itself is attention work), or None."""
+    cls = get_policy(name)
+    if not cls.needs & Need.LAYER0_ATTENTION:
+        return None
+    from kvsieve.radix_ext import layer0_probe
+    H, HQ, D = shape["kv_heads"], shape["q_heads"], shape["head_dim"]
+    policy = cls()
+    policy.bind_model(ModelInfo(name=shape["model"], num_layers=shape["layers"], num_kv_heads=H, num_q_heads=HQ,
+                                head_dim=D, delimiter_ids=frozenset({13})))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 1100, (rows, prompt), generator=g)
+    ids = torch.where(torch.rand(rows, prompt, generator=g) < 1 / 16, torch.full_like(ids, 13), ids).tolist()
+    times = []
+    for _ in range(steps):
+        states = [policy.begin_request(cls.Params(), shape["layers"], H) for _ in range(rows)]
+        for st in states:
+            probe = layer0_probe.ProbeState(prompt, device)
+            layer0_probe.observe(probe, (torch.randn(prompt, HQ, D, generator=g) * 2).to(device),
+                                 torch.randn(H, prompt, D, generator=g).to(device), torch.zeros(0, H, D, device=device),
+                                 D ** -0.5)
+            setattr(st, layer0_probe.ATTRIBUTE, probe)
+        _sync(device)
+        start = time.perf_counter()
+        summaries = layer0_probe.collect([(st, ids[r], 0, 1024) for r, st in enumerate(states)])
+        policy.prompt_attention_inputs(summaries, device)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def step_ms(device: str, batch: int, given: dict[int, float]) -> tuple[float | None, str]:
@@ -145,7 +214,11 @@ def main() -> None:
                "command": "python bench/policy_cost.py " + " ".join(sys.argv[1:]), "shape": shape, "budget": budget,
                "torch_threads": threads,
                "step_time_source": __doc__.split("Shapes: ")[1].split(". Policies")[0], "policies": {}}
-    for name in policy_names():
+    # --policies a,b: only these; --prompt N: private prompt length of the prompt-end measure.
+    chosen = args["--policies"].split(",") if "--policies" in args else policy_names()
+    prompt = int(args.get("--prompt", 512))
+    results["prompt_end_tokens"] = prompt
+    for name in chosen:
         cls = get_policy(name)
         if not cls.compresses:
             continue
@@ -160,6 +233,13 @@ def main() -> None:
             entry[f"batch{rows}"] = {"decision_ms_per_step": round(ms, 3),
                                      "step_ms": round(base, 1) if base else None, "step_ms_from": source,
                                      "share_of_step": round(ms / base, 4) if base else None}
+            steps = 5 if device == "cpu" else 20
+            observe = time_observe(name, rows, shape, budget, device, steps)
+            if observe is not None:
+                entry[f"batch{rows}"]["observe_ms_per_step"] = round(observe, 3)
+            prompt_end = time_prompt_end(name, rows, shape, prompt, device, 3)
+            if prompt_end is not None:
+                entry[f"batch{rows}"]["prompt_end_ms"] = round(prompt_end, 3)
         print(name, json.dumps(entry), flush=True)
         Path(out).write_text(json.dumps(results, indent=1))
 
