@@ -113,8 +113,6 @@ def run(rows: int, steps: int, budget: int, prompt: int, shape: dict, dev: str, 
         deciding = [r for r in range(rows) if due is None or due[r]]
         observing = [r for r in range(rows) if due is not None and not due[r]]
         attention = torch.rand(rows, H, S, generator=gen).to(dev) * valid
-        if dev == "cuda":
-            torch.cuda.set_sync_debug_mode("error")
         decide_ms = 0.0
         for layer in range(L):
             new_valid = valid.clone()
@@ -132,10 +130,14 @@ def run(rows: int, steps: int, budget: int, prompt: int, shape: dict, dev: str, 
                 obs = Observations(attention=attention[g] if layer == 0 else None)
                 _sync(dev)
                 d0 = time.perf_counter()
+                if dev == "cuda":
+                    torch.cuda.set_sync_debug_mode("error")
                 if action == "decide":
                     evict = policy.select_decode(batch, view, obs)
                 else:
                     evict = policy.observe_decode(batch, view, obs)
+                if dev == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
                 _sync(dev)
                 decide_ms += 1000 * (time.perf_counter() - d0)
                 if layer == 0:
@@ -144,8 +146,6 @@ def run(rows: int, steps: int, budget: int, prompt: int, shape: dict, dev: str, 
                     new_valid[g] &= ~evict
             if layer == 0:
                 layer0_valid = new_valid
-        if dev == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
         valid = layer0_valid
         position = torch.where(valid, position, -1)
         h1 = time.perf_counter()
