@@ -3,13 +3,15 @@ length and answer agreement on math word problems (bench/eval's `math`
 task: reasoning-gym's gsm_symbolic, graded with math-verify).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.skipkv_steering \
-        --problems 24 --max-tokens 384 --out bench/results/skipkv-steering-smollm2.json
+        --problems 12 --max-tokens 160 --concurrency 12 --out bench/results/skipkv-steering-smollm2.json
 
 It calibrates the steering vectors of the model (`kvsieve calibrate skipkv`)
 into a fresh file store, starts `kvsieve serve` on that store (the embedded
 SmolLM2-135M-Instruct unless --model), and sends every problem, one request
 at a time (SGLang's CPU path is not batch-invariant: solo requests keep the
-comparison to steering alone), under each configuration:
+comparison to steering alone; --concurrency N batches each configuration's
+problems together, faster, and then a row may also change with the batch
+after another row's output changed), under each configuration:
 
   off      {"name": "skipkv"}                       (no steering)
   default  {"name": "skipkv", "params": {"steering": true}}
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -80,11 +83,14 @@ def summarise(records: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--problems", type=int, default=24)
+    ap.add_argument("--problems", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--traces", type=int, default=64, help="calibration traces")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight (default 1: solo, batch-invariant; more: each configuration's "
+                         "problems batched together)")
     ap.add_argument("--out", default="bench/results/skipkv-steering-smollm2.json")
     args = ap.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",")]
@@ -107,7 +113,9 @@ def main(argv=None) -> int:
             "command": " ".join(["python -m bench.skipkv_steering", *(argv or sys.argv[1:])]),
             "model": args.model or "SmolLM2-135M-Instruct (embedded default)", "calibration": calibration,
             "task": "bench/eval math (reasoning-gym gsm_symbolic)", "seed": args.seed,
-            "max_tokens": args.max_tokens, "requests": "one at a time (solo), greedy",
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "requests": ("one at a time (solo)" if args.concurrency == 1 else
+                         f"{args.concurrency} in flight, one configuration at a time") + ", greedy",
             "budget": "skipkv's default 1024: no eviction"}
 
     def save(complete: bool) -> dict:
@@ -118,10 +126,11 @@ def main(argv=None) -> int:
 
     with serve(args.model, env=env, log_path=work / "serve.log") as url:
         client = Client(url)
-        with tqdm(total=len(items) * len(configs), desc="skipkv steering", unit="request") as bar:
-            for item in items:
-                for name in configs:
-                    body = client.chat(item.messages, args.max_tokens, CONFIGS[name])
+        with tqdm(total=len(items) * len(configs), desc="skipkv steering", unit="request") as bar, \
+                ThreadPoolExecutor(args.concurrency) as pool:
+            for name in configs:  # one configuration at a time: the same batches until steering changes one
+                bodies = pool.map(lambda item: client.chat(item.messages, args.max_tokens, CONFIGS[name]), items)
+                for item, body in zip(items, bodies):
                     if "error" in body:
                         raise RuntimeError(f"{item.id} {name}: {body}")
                     choice = body["choices"][0]
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
                         "text": text,
                     })
                     bar.update(1)
-                save(complete=False)  # an interrupted run keeps what it measured
+                    save(complete=False)  # an interrupted run keeps what it measured
         client.close()
     print(json.dumps(save(complete=True)["summary"], indent=1))
     return 0

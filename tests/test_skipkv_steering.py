@@ -141,6 +141,19 @@ def test_the_artifact_round_trips_and_a_missing_one_names_the_command(tmp_path):
     assert "malformed" in lookup("/models/m", 4, store=store)[1]
 
 
+def test_calibrate_writes_to_a_redis_store(tiny_llama, redis_server):
+    from kvsieve.service.store import open_store
+
+    done = kvsieve_cli("calibrate", "skipkv", "--model", str(tiny_llama), "--traces", "2", "--pool", "mean",
+                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    art = open_store(redis_server.url).get_artifact(ARTIFACT_KIND, "tiny-llama")
+    vectors = SteeringVectors.from_artifact(art)
+    assert vectors.num_layers == 2 and vectors.default_layer == 1 and art["pool"] == "mean"
+    assert kvsieve_cli("calibrate", "skipkv", "--model", str(tiny_llama), "--traces", "2", "--layer", "2",
+                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=300).returncode == 2
+
+
 def test_traces_are_seeded_and_hold_both_classes():
     a, b = traces(12, seed=1), traces(12, seed=1)
     assert a == b and a != traces(12, seed=2)
