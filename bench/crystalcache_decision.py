@@ -80,6 +80,8 @@ def run(rows: int, steps: int, budget: int, prompt: int, shape: dict, dev: str, 
         t0 = time.perf_counter()
         policy.step_inputs([StepRow(state=s, step=0, pool_row=r, budget=budget, prefill=True)
                             for r, s in enumerate(states)], dev)
+        if dev == "cuda":  # the prompt's end runs inside the forward: no host sync from here
+            torch.cuda.set_sync_debug_mode("error")
         summaries = layer0_probe.collect([(s, ids[r, :prompt].tolist(), 0, budget) for r, s in enumerate(states)])
         inputs = policy.prompt_attention_inputs(summaries, dev)
         for layer in range(L):
@@ -90,6 +92,8 @@ def run(rows: int, steps: int, budget: int, prompt: int, shape: dict, dev: str, 
             evict = policy.select_prefill(batch, view, Observations())
             if layer == 0 and evict is not None:
                 kept = valid & ~evict
+        if dev == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
         _sync(dev)
         out["prompt_end_ms"] = 1000 * (time.perf_counter() - t0)
         if "kept" in locals():

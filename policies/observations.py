@@ -37,7 +37,7 @@ class PromptAttention:
     """What Need.LAYER0_ATTENTION hands a policy at the end of a request's
     private prompt: the first layer's attention probabilities (the private
     columns of the joint softmax over prefix + prompt) of every private
-    prompt query, summarized per chunk of `chunk` queries, on the host.
+    prompt query, summarized per chunk of `chunk` queries, on the device.
     Local index i is the private prompt's i-th token (absolute position
     base + i). Query heads: Hq; rows without an edge pad with index -1."""
 

@@ -18,9 +18,10 @@ What one chunk of queries leaves, on the device (per request, `ProbeState`):
     [C, C] buffer until the chunk is whole);
   * cross edges: for each query, the K_CROSS keys before its chunk with the
     largest head-mean probability.
-`collect`, at the prompt's end, moves every ending request's summary to the
-host in one transfer (observations.PromptAttention): O(n) numbers per
-request, for the policy to threshold and build its graph from.
+`collect`, at the prompt's end, hands every ending request's summary to the
+policy on the device (observations.PromptAttention): O(n) numbers per
+request, for the policy to threshold and build its graph from, with no
+read-back inside the forward.
 
 Cost: per extend and probed request, a loop over query heads and over
 chunks (both bounded on the host), in the first layer only.
@@ -135,12 +136,13 @@ def state_of(request_state, private: int, first: int, device) -> ProbeState:
 
 def collect(finished: list[tuple[object, list, int, int]]) -> list[PromptAttention]:
     """(request state, private token ids, base position, budget) of requests
-    whose whole private prompt was probed: their summaries on the host, in
-    one device-to-host transfer; the device state is dropped."""
+    whose whole private prompt was probed: their summaries, on the device
+    (nothing is read back: the policy's selection runs there too); the
+    probe state is dropped."""
     probes = [getattr(s, ATTRIBUTE) for s, _, _, _ in finished]
     parts = [t.double().flatten() for p in probes
              for t in (p.saliency, p.intra_index, p.intra_weight, p.cross_index, p.cross_weight)]
-    flat = torch.cat(parts).cpu()  # the one read-back, at the prompt's end
+    flat = torch.cat(parts)
     out, at = [], 0
     for (request_state, ids, base, budget), p in zip(finished, probes):
         n = p.n

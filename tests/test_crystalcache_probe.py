@@ -13,7 +13,7 @@ import torch
 
 from kvsieve.policies.crystalcache.policy import CrystalCachePolicy, CrystalCacheParams, prompt_edges
 from kvsieve.policies.crystalcache.prefill import prefill_keep, saliency_and_edges
-from kvsieve.policies.base import ModelInfo
+from kvsieve.policies.base import ModelInfo, StepRow
 from kvsieve.radix_ext import layer0_probe
 
 
@@ -88,4 +88,7 @@ def test_prefill_selection_from_the_probe_keeps_what_prefill_keep_keeps():
     table = inputs["keep"][0]
     assert (table[10:10 + n].nonzero().flatten() + 10).tolist() == kept
     assert len(kept) < n
+    # The trunk table the decode phase starts from is read back at the next step.
+    assert request.trunks is None
+    policy.step_inputs([StepRow(state=request, step=0, pool_row=0, budget=150, prefill=False)], "cpu")
     assert request.trunks is not None and sorted(p for t in request.trunks.trunks for p in t) == kept

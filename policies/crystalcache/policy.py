@@ -54,10 +54,8 @@ from pydantic import Field
 
 from ..base import Policy, PolicyParams, RequestState
 from .decode import decay_rows
-from .prefill import (
-    M_MAX, M_MIN, T_MAX, TAU_CROSS, TAU_INTRA, TOP_HEADS, Dissolution, PrefillResult, branch_dissolve,
-    build_trunks, crystallization, encoding_impact, sentences, trunk_graph, trunk_impact,
-)
+from .prefill import T_MAX, TAU_CROSS, TAU_INTRA, TOP_HEADS, Dissolution, PrefillResult
+from .prefill_batched import prefill_rows
 from .select import evict_outside, keep_table
 from .trunks import CrystalTrunks
 from ..observations import Need, PromptAttention, to_device
@@ -122,6 +120,8 @@ class CrystalCachePolicy(Policy):
     def __init__(self):
         self._forwards = []
         self._snap_states = {}
+        self._prefills = []  # ([(row, state, ids, base)], PrefillRows on the device) per prompt-ending step
+        self._delims = None  # (device, delimiter ids there)
 
     def begin_request(self, params, num_layers, num_kv_heads) -> CrystalCacheState:
         return CrystalCacheState(params, num_layers, num_kv_heads)
@@ -159,35 +159,77 @@ class CrystalCachePolicy(Policy):
     def observation_window(cls, params, private_prompt):
         return 0  # the selection reads the first layer's probe, not the last queries' attention
 
-    # ----- prefill: S1-S6 on the host, once per request ---------------------------
+    # ----- prefill: S1-S6 on the device, every ending prompt at once -----------------
     def prompt_attention_inputs(self, rows: list[PromptAttention], device):
-        kept, judged = [], []
+        """S1-S6 for every request whose prompt ends in this step, as tensor
+        work (prefill_batched.py) inside the first layer's forward: the keep
+        table for every layer's select_prefill, no read-back. The trunk
+        table the decode phase starts from is read at the next step."""
+        lengths = [len(pa.token_ids) for pa in rows]
+        N = max(lengths)
+        pad = torch.nn.utils.rnn.pad_sequence
+        params = [pa.state.params for pa in rows]
+        ids = to_device([list(pa.token_ids) + [-1] * (N - n) for pa, n in zip(rows, lengths)], torch.int64, device)
+        out = prefill_rows(
+            pad([pa.saliency for pa in rows], batch_first=True),
+            pad([pa.intra_index for pa in rows], batch_first=True, padding_value=-1),
+            pad([pa.intra_weight for pa in rows], batch_first=True),
+            pad([pa.cross_index for pa in rows], batch_first=True, padding_value=-1),
+            pad([pa.cross_weight for pa in rows], batch_first=True), ids, to_device(lengths, torch.int64, device),
+            self._delimiter_ids(device), to_device([effective_budget(p, pa.budget) for p, pa in zip(params, rows)],
+                                                   torch.int64, device),
+            to_device([p.sinks for p in params], torch.int64, device),
+            to_device([p.recent for p in params], torch.int64, device))
         for pa in rows:
-            positions = self._prefill(pa)
-            kept.append(positions)
-            judged.append(pa.base + len(pa.token_ids))
-        table = keep_table(kept, judged, max(judged) + 1)
-        return {"keep": to_device(table, torch.bool, device)}
+            pa.state.base = pa.base
+        decoding = [(r, pa) for r, pa in enumerate(rows) if pa.state.params.decode]
+        if decoding:
+            self._prefills.append(([(r, pa.state, list(pa.token_ids), pa.base) for r, pa in decoding], out))
+        bases = [pa.base for pa in rows]
+        judged = [b + n for b, n in zip(bases, lengths)]
+        width = max(judged) + 1
+        at = to_device(bases, torch.int64, device).unsqueeze(1) + torch.arange(N, device=device)
+        real = torch.arange(N, device=device) < to_device(lengths, torch.int64, device).unsqueeze(1)
+        table = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        table.scatter_(1, torch.where(real, at, width - 1), out.keep)
+        table |= torch.arange(width, device=device) >= to_device(judged, torch.int64, device).unsqueeze(1)
+        return {"keep": table}
 
-    def _prefill(self, pa: PromptAttention) -> list[int]:
-        state: CrystalCacheState = pa.state
-        p = state.params
-        ids = list(pa.token_ids)
-        n = len(ids)
-        saliency = pa.saliency.double().clamp(M_MIN, M_MAX)
-        edges = prompt_edges(pa)
-        impact = encoding_impact(saliency, ids)
-        trunks = build_trunks(sentences(ids, self._delimiters()), edges)
-        trunk_m = [trunk_impact(impact, g) for g in trunks]
-        graph = trunk_graph(trunks, edges)
-        crystal = crystallization(len(trunks), graph)
-        budget = effective_budget(p, pa.budget)
-        dissolution = branch_dissolve(trunks, impact, trunk_m, crystal, budget, n, p.sinks, p.recent)
-        result = PrefillResult(dissolution, trunks, impact, trunk_m, graph)
-        state.base = pa.base
-        if p.decode:
-            state.trunks = shifted(CrystalTrunks(result, ids, self._delimiters()), pa.base)
-        return [pa.base + i for i in dissolution.kept]
+    def _delimiter_ids(self, device) -> torch.Tensor:
+        ids = sorted(self._delimiters()) or [-2]  # -2: no token id matches
+        if self._delims is None or self._delims[0] != device:
+            self._delims = (device, to_device(ids, torch.int64, device))
+        return self._delims[1]
+
+    def _adopt_prefills(self) -> None:
+        """The trunk tables of the prompts selected since the last step, to
+        the host in one read (between steps), as each request's decode state."""
+        if not self._prefills:
+            return
+        batches, self._prefills = self._prefills, []
+        host = torch.cat([torch.cat([out.keep.double().flatten(), out.trunk.double().flatten(), out.impact.flatten(),
+                                     out.trunk_m.flatten(), out.crystal.flatten(), out.trunks.double(),
+                                     out.graph.flatten()]) for _, out in batches]).cpu()  # between steps: allowed
+        at = 0
+        for members, out in batches:
+            E, N = out.keep.shape
+            fields = []
+            for size in (E * N, E * N, E * N, E * N, E * N, E, out.graph.numel()):
+                fields.append(host[at:at + size])
+                at += size
+            keep, trunk, impact, trunk_m, crystal = (f.view(E, N) for f in fields[:5])
+            count, graph = fields[5], fields[6].view(E, -1, 3)
+            for r, state, ids, base in members:
+                n, T = len(ids), int(count[r])
+                owner = trunk[r, :n].long().tolist()
+                trunks: list[list[int]] = [[] for _ in range(T)]
+                for p, t in enumerate(owner):
+                    trunks[t].append(p)
+                edges = {(int(a), int(b)): w for a, b, w in graph[r].tolist() if w > 0}
+                kept = keep[r, :n].nonzero().flatten().tolist()
+                result = PrefillResult(Dissolution(kept, [], crystal[r, :T].tolist()), trunks, impact[r, :n].clone(),
+                                       trunk_m[r, :T].tolist(), edges)
+                state.trunks = shifted(CrystalTrunks(result, ids, self._delimiters()), base)
 
     def select_prefill(self, batch, view, obs):
         view.score.zero_()
@@ -223,6 +265,7 @@ class CrystalCachePolicy(Policy):
                 at += n
 
     def step_inputs(self, rows, device):
+        self._adopt_prefills()
         self._read_snapshot()
         self._due = None
         if not rows or rows[0].prefill:
