@@ -28,7 +28,6 @@ from statistics import mean
 from typing import Optional
 
 TOP_K = 10
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_parser(sub) -> None:
@@ -149,8 +148,7 @@ def run(args) -> int:
         print(f"{out}: nothing to run", file=sys.stderr)
         return 0
     probe_dir = Path(tempfile.mkdtemp(prefix="kvsieve-recall-"))
-    env = {"KVSIEVE_RECALL_DIR": str(probe_dir), "KVSIEVE_RECALL_EVERY": str(args.every),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {"KVSIEVE_RECALL_DIR": str(probe_dir), "KVSIEVE_RECALL_EVERY": str(args.every)}
     extra = ("--policy-module", "bench.eval.recall_probe", *args.serve_arg)
     seen = 0
     with serve(model_dir, extra, env=env) as url:

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import httpx
 
 KVSIEVE = str(Path(sys.executable).with_name("kvsieve"))
+ROOT = Path(__file__).resolve().parents[2]  # bench.eval's modules import from the checkout
 
 
 def free_port() -> int:
@@ -32,13 +33,17 @@ def serve(model_dir: Optional[str], extra_args: tuple[str, ...] = (), timeout: f
     yield its base URL, stop it (SIGTERM) on exit."""
     port = free_port()
     log_path = Path(log_path or Path(tempfile.gettempdir()) / f"kvsieve-eval-serve-{port}.log")
-    args = [KVSIEVE, "serve", "--port", str(port), "--log-level", "warning", *extra_args]
+    # patient_engine: SGLang's scheduler watchdog waits an hour, not 300 s (a
+    # stalled forward on a loaded CPU would kill the server mid-grid).
+    args = [KVSIEVE, "serve", "--port", str(port), "--log-level", "warning",
+            "--policy-module", "bench.eval.patient_engine", *extra_args]
     if model_dir:
         args += ["--model", str(model_dir)]
     with open(log_path, "wb") as log:
         # A measurement waits for slow requests rather than losing them to the
         # server's default 600 s request timeout (a shared 2-core CPU is slow).
-        base = {"KVSIEVE_LIMITS__REQUEST_TIMEOUT_S": "86400", **os.environ, "PYTHONUNBUFFERED": "1"}
+        base = {"KVSIEVE_LIMITS__REQUEST_TIMEOUT_S": "86400", **os.environ, "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**base, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
