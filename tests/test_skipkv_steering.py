@@ -145,13 +145,13 @@ def test_calibrate_writes_to_a_redis_store(tiny_llama, redis_server):
     from kvsieve.service.store import open_store
 
     done = kvsieve_cli("calibrate", "skipkv", "--model", str(tiny_llama), "--traces", "2", "--pool", "mean",
-                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=300)
+                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=900)
     assert done.returncode == 0, done.stderr
     art = open_store(redis_server.url).get_artifact(ARTIFACT_KIND, "tiny-llama")
     vectors = SteeringVectors.from_artifact(art)
     assert vectors.num_layers == 2 and vectors.default_layer == 1 and art["pool"] == "mean"
     assert kvsieve_cli("calibrate", "skipkv", "--model", str(tiny_llama), "--traces", "2", "--layer", "2",
-                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=300).returncode == 2
+                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=900).returncode == 2
 
 
 def test_traces_are_seeded_and_hold_both_classes():
