@@ -7,7 +7,10 @@ evicts), for every policy marked `graph_safe`:
   for bit, in every layer's output and in the region's final state; skipkv
   also with redundant sentences, so that the replayed pass drops whole
   sentences. A policy sets `graph_safe` only once this passes for it.
-* The pass makes no host sync (torch.cuda's sync debug mode)."""
+  crystalcache (`observe_graph_safe`) across breath cycles: its steps
+  between cycles replay, its two deciding steps per cycle run eagerly.
+* The pass makes no host sync (torch.cuda's sync debug mode); for
+  crystalcache on the steps between its breath cycles."""
 
 from __future__ import annotations
 
@@ -65,7 +68,17 @@ def test_crystalcache_graph_replay_equals_the_eager_pass_across_breath_cycles():
 def test_the_decode_pass_makes_no_host_sync(policy):
     """From the step's metadata to the last layer's eviction; the fake
     ForwardBatch (SGLang's, already on the device) is made before."""
-    run = region_pass(policy, ROWS, PROMPT, 32, shapes=QWEN_7B, budget=BUDGET)
+    _assert_no_host_sync(policy, BUDGET)
+
+
+def test_crystalcache_steps_between_breath_cycles_make_no_host_sync():
+    # 32 steps of the default breath (64): every step observes, tokens
+    # handed over once per forward; the reads of a cycle step are between steps.
+    _assert_no_host_sync("crystalcache", 132, token_ids=True)
+
+
+def _assert_no_host_sync(policy: str, budget: int, token_ids: bool = False) -> None:
+    run = region_pass(policy, ROWS, PROMPT, 32, shapes=QWEN_7B, budget=budget, token_ids=token_ids)
     syncs: list[str] = []
 
     def record(message, category, filename, lineno, file=None, line=None):
