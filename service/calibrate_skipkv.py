@@ -86,13 +86,16 @@ def run(args, open_store) -> int:
 
     model_dir = str(Path(args.model).resolve()) if args.model else str(ensure_default_model())
     name = args.name or (Path(model_dir).name if args.model else DEFAULT_MODEL_NAME)
-    traces = make_traces(args.traces, args.seed)
-    with tqdm(total=len(traces), desc=f"skipkv steering calibration of {name}", unit="trace", file=sys.stderr) as bar:
-        features, execution, num_layers = sentence_features(model_dir, traces, args.pool, progress=bar.update)
+    from transformers import AutoConfig
+
+    num_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
     layer = default_layer(num_layers) if args.layer is None else args.layer
     if not 0 <= layer < num_layers:
         print(f"kvsieve calibrate skipkv: --layer must be in [0, {num_layers})", file=sys.stderr)
         return 2
+    traces = make_traces(args.traces, args.seed)
+    with tqdm(total=len(traces), desc=f"skipkv steering calibration of {name}", unit="trace", file=sys.stderr) as bar:
+        features, execution, num_layers = sentence_features(model_dir, traces, args.pool, progress=bar.update)
     try:
         s = class_mean_difference(features, execution)
     except ValueError as exc:

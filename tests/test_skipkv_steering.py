@@ -150,8 +150,9 @@ def test_calibrate_writes_to_a_redis_store(tiny_llama, redis_server):
     art = open_store(redis_server.url).get_artifact(ARTIFACT_KIND, "tiny-llama")
     vectors = SteeringVectors.from_artifact(art)
     assert vectors.num_layers == 2 and vectors.default_layer == 1 and art["pool"] == "mean"
-    assert kvsieve_cli("calibrate", "skipkv", "--model", str(tiny_llama), "--traces", "2", "--layer", "2",
-                       env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=900).returncode == 2
+    bad = kvsieve_cli("calibrate", "skipkv", "--model", str(tiny_llama), "--traces", "2", "--layer", "2",
+                      env={"KVSIEVE_STORE__URL": redis_server.url}, timeout=900)
+    assert bad.returncode == 2 and "--layer must be in [0, 2)" in bad.stderr
 
 
 def test_traces_are_seeded_and_hold_both_classes():
