@@ -304,6 +304,7 @@ class KvsieveAttnBackend(AttentionBackend):
         H = table.shape[1]
         evict = torch.zeros_like(view.valid)
         rows = view.valid.shape[0]
+        evicting = False  # whether any group returned a mask (known on the host)
         for group in groups:  # one per policy class present (two when only some rows decide), not per row
             g = group.rows
             deciding = group.action == "decide"
@@ -345,10 +346,13 @@ class KvsieveAttnBackend(AttentionBackend):
                     view.score[g] = sub.score
                     view.last_hit[g] = sub.last_hit
             if chosen is not None:
+                evicting = True
                 if whole:
                     evict = evict | chosen
                 else:
                     evict[g] = chosen
+        if not evicting and not keeps_state:
+            return view.valid  # nothing to clear and no slot state to write back: the region stays as it is
         with span("kvsieve.evict"):
             evict &= view.valid
             shape = (*table.shape, p.config.page_size)
