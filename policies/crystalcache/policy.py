@@ -1,25 +1,29 @@
 """`crystalcache` (CrystalCache, crystalcache.txt §3, Table 2; policies.md):
 one index set per request (every layer and head keeps the same positions),
-chosen over trunks (sentence groups) on the host.
+chosen over trunks (sentence groups).
 
-Prefill (S1-S6, policies.crystalcache.prefill): at the end of the private
-prompt the engine probes the first layer's attention chunk by chunk
-(Need.LAYER0_ATTENTION, radix_ext/layer0_probe.py) and hands the summary
-(saliency, intra- and cross-chunk edge candidates) to
-`prompt_attention_inputs`, which thresholds the edges, builds trunks, M_i,
-D, and dissolves branches down to B = max(floor, budget); the kept positions
-reach every layer's select_prefill as a keep table
-(policies.crystalcache.select).
+Prefill (S1-S6, specified by policies.crystalcache.prefill): at the end of
+the private prompt the engine probes the first layer's attention chunk by
+chunk (Need.LAYER0_ATTENTION, radix_ext/layer0_probe.py) and hands the
+summary (saliency, intra- and cross-chunk edge candidates) to
+`prompt_attention_inputs` on the device, which runs S1-S6 for every ending
+prompt at once (prefill_batched.prefill_rows: edges, trunks, M_i, D, branch
+dissolution down to B = max(floor, budget)) with no read-back; the kept
+positions reach every layer's select_prefill as a keep table
+(policies.crystalcache.select), and the trunk table is read at the next step.
 
-Decode (policies.crystalcache.decode / _trunks): decoded tokens are queued
-(on_tokens, device copies) and join the trunk table at each breath cycle.
-Every `breath` steps (64):
+Decode (policies.crystalcache.decode / trunks): decoded tokens are kept on
+the device (on_forward_tokens, one gather per forward) and join the trunk
+table at each breath cycle. Every `breath` steps (64), the only steps whose
+decision is due (deciding_rows; observe_decode accumulates the first
+layer's attention in between):
   * at step s = k*breath - 1 the first layer's decision snapshots, for the
     rows due, its slots' positions, the layer-0 attention they received
     since the last snapshot (accumulated in view.score, first layer only)
     and the layer-0 key norms (Need.LAYER0_KEYS);
   * at step s + 1, step_inputs reads the snapshot and the queued tokens back
-    (between steps: the only reads), applies s+1 - last steps of D decay,
+    (between steps: the only reads), applies s+1 - last steps of D decay
+    (every cycling request in one tensor loop),
     gives the queued tokens their received attention (pending sentences),
     adds them (closing sentences into trunks), and runs the breath cycle
     (activation, resonance, Hebbian, re-eviction to B); the keep table goes
