@@ -4,7 +4,7 @@
         [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]
         [--kv-tokens 786432] [--max-running 512] [--tail 192]
         [--parts machine,vanilla,kvsieve] [--check-prompt 2048] [--policy-params '{"crystal_kv": {...}}']
-        [--temperatures 0,0.7]
+        [--temperatures 0,0.7] [--tbq 1]
 
 R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
 KV memory (--kv-tokens tokens of bf16 K and V). Generating G tokens is
@@ -36,6 +36,14 @@ the step's weight GEMMs at the measured bf16 GEMM time for that batch
 (28 layers of qkv/o/gate_up/down + lm_head, timed on this GPU) plus the
 step's KV bytes at the measured copy bandwidth. Writes
 OUT_DIR/gpu-headline.json after every run.
+
+`--tbq 1` gives the region quantized pages (TBQ, docs/design/tbq.md) for
+thinkv's default R4E4T2: the same region bytes split into one bf16 page and
+the budget's 4-bit pages per (layer, kv head) of each request, so about 3x
+more rows fit; run it with `--policies thinkv` (other policies would find
+only the few bf16 pages). Without it the region holds bf16 pages only and
+thinkv runs without TBQ (its kv_usage says `tbq: false`); pass
+`--policy-params '{"thinkv": {"tbq": false}}'` to make that explicit.
 
 With the defaults, one command runs the whole benchmark (about 25 minutes
 on an H100). Under the device tool's 10-minute calls, run it in parts
@@ -77,7 +85,8 @@ def options() -> dict:
             # {"policy": {param: value}}: options a policy runs with (recorded in each entry)
             "policy_params": json.loads(opts.get("--policy-params", "{}")),
             # kvsieve points at each temperature (0: greedy; SGLang's sampler then skips its vocabulary sort)
-            "temperatures": [float(t) for t in opts.get("--temperatures", "0").split(",")], "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
+            "temperatures": [float(t) for t in opts.get("--temperatures", "0").split(",")],
+            "tbq": opts.get("--tbq", "0") == "1", "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
 
 
 VOCAB_IDS = (1000, 100000)  # random prompt ids are drawn here (set from the model's vocab in main)
@@ -203,6 +212,10 @@ def timed_run(engine, ids, params, threshold: int) -> dict:
     if usage:
         result["retained_kv_bytes_sum"] = sum(u.get("retained_kv_bytes", 0) for u in usage)
         result["evicted_tokens_mean"] = round(sum(u.get("evicted_tokens", 0) for u in usage) / len(usage), 1)
+        bits = [u["kv_bits_per_element"] for u in usage if u.get("kv_bits_per_element")]
+        if bits:
+            result["kv_bits_per_element_mean"] = round(sum(bits) / len(bits), 3)
+        result["tbq_requests"] = sum(1 for u in usage if u.get("tbq"))
     return result
 
 
@@ -244,6 +257,17 @@ def main() -> None:
     region_tokens = cfg["kv_tokens"] - pool_tokens
     kvsieve_n = {b: min(cfg["max_running"], region_tokens // (-(-(b + STREAM_INTERVAL + 1) // PAGE) * PAGE)
                         // 1) for b in cfg["budgets"]}
+    if cfg["tbq"]:
+        # One bf16 page (the group being filled) and the ceiling in 4-bit pages per (layer, kv head) and row.
+        from kvsieve.radix_ext.tbq_store import QuantPool
+
+        full_page, quant_page = PAGE * HEAD_DIM * 2 * 2, QuantPool.bytes_per_page(HEAD_DIM, PAGE, 4)
+        region_bytes = region_tokens * BYTES_PER_TOKEN
+        row_bytes = {b: LAYERS * KV_HEADS * (full_page + -(-(b + STREAM_INTERVAL + 1) // PAGE) * quant_page)
+                     for b in cfg["budgets"]}
+        kvsieve_n = {b: min(cfg["max_running"], region_bytes // row_bytes[b]) for b in cfg["budgets"]}
+        tbq_full_pages = max(kvsieve_n.values()) * LAYERS * KV_HEADS
+        tbq_quant_pages = (region_bytes - tbq_full_pages * full_page) // quant_page
     # A check workload both pools hold: prompts of 2K, the pool's share.
     check_prompt = cfg["check_prompt"]
     check_n = min(64, cfg["max_running"], pool_tokens // (check_prompt + 2 * CHECK_TAIL))
@@ -289,8 +313,13 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "kvsieve" in cfg["parts"]:
         region_pages = region_tokens * LAYERS * KV_HEADS // PAGE
+        quant_pages = 0
+        if cfg["tbq"]:
+            region_pages, quant_pages = tbq_full_pages, tbq_quant_pages
         os.environ["KVSIEVE_REGION_PAGES"] = str(region_pages)
-        results["kvsieve_memory"] = {"pool_tokens": pool_tokens, "region_pages": region_pages, "page_size": PAGE}
+        os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(quant_pages)
+        results["kvsieve_memory"] = {"pool_tokens": pool_tokens, "region_pages": region_pages, "page_size": PAGE,
+                                     "quantized_pages": quant_pages}
         started = time.perf_counter()
         engine = sgl.Engine(attention_backend="kvsieve", max_total_tokens=pool_tokens,
                             max_running_requests=cfg["max_running"], **graphs, **common)
@@ -312,7 +341,8 @@ def main() -> None:
                         policy["params"] = cfg["policy_params"][name]
                     entry = timed_run(engine, prompts(n, SHORT_PROMPT, 7),
                                       params(budget + 2 * cfg["tail"], policy, temperature), budget)
-                    entry.update(policy=name, budget=budget, params=policy.get("params", {}), temperature=temperature)
+                    entry.update(policy=name, budget=budget, params=policy.get("params", {}), temperature=temperature,
+                                 tbq_region=cfg["tbq"], rows=n)
                     if results.get("machine"):
                         entry["roofline"] = roofline(results["machine"], n, n * (budget + SHORT_PROMPT))
                     results["kvsieve"].append(entry)

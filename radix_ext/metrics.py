@@ -101,6 +101,20 @@ def record_region_reserved(pages: int) -> None:
     REGION_RESERVED_PAGES.set(pages)
 
 
+QUANT_PAGES = Gauge(
+    "kvsieve_region_quantized_pages",
+    "Quantized (TBQ) pages of the compressed region by state (used, free).",
+    ["state"],
+    multiprocess_mode="livesum",
+    registry=None,
+)
+
+
+def record_quantized_pages(used: int, free: int) -> None:
+    QUANT_PAGES.labels("used").set(used)
+    QUANT_PAGES.labels("free").set(free)
+
+
 def record_region(pages_used: int, pages_free: int) -> None:
     REGION_PAGES.labels("used").set(pages_used)
     REGION_PAGES.labels("free").set(pages_free)

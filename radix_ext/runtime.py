@@ -145,9 +145,12 @@ class KVRuntime:
             pages = memory_split.region_pages(pool_tokens, num_layers, num_kv_heads, page_size, bytes_per_page,
                                               context_len)
             bits = memory_split.quant_bits()
+            # Values are scaled per 16 channels: other head sizes get no quantized pages (no TBQ).
             quant_page_bytes = QuantPool.bytes_per_page(head_dim, page_size, bits)
-            pages, quant_pages = memory_split.split_quantized(pages, num_layers * num_kv_heads, bytes_per_page,
-                                                              quant_page_bytes)
+            quant_pages = 0
+            if head_dim % 16 == 0:
+                pages, quant_pages = memory_split.split_quantized(pages, num_layers * num_kv_heads, bytes_per_page,
+                                                                  quant_page_bytes)
             self.region = PageManager(RegionConfig(
                 num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 num_pages=pages, page_size=page_size, dtype=dtype, device=str(device), max_rows=max_rows,
@@ -155,6 +158,7 @@ class KVRuntime:
             self.counters = torch.zeros((max_rows, 2), dtype=torch.int64, device=device)
             self.overflow_flags = torch.zeros(max_rows, dtype=torch.bool, device=device)
             metrics.record_region(0, pages)
+            metrics.record_quantized_pages(0, quant_pages)
             pool_mib = pool_tokens * num_layers * num_kv_heads * 2 * head_dim * element / 2**20
             # Warning level: SGLang's scheduler logs only warnings by default,
             # and operators need this split at start-up.
@@ -388,6 +392,8 @@ class KVRuntime:
 
     def _record_pages(self) -> None:
         metrics.record_region(self.region.pages_used, self.region.pages_free)
+        free = self.region.quant_pages_free
+        metrics.record_quantized_pages(self.region.config.quant_pages - free, free)
         metrics.record_region_reserved(self.region.pages_used)
 
     # ----- token observations (host, once per forward) -------------------------
