@@ -346,12 +346,13 @@ class CrystalCachePolicy(Policy):
         width = int(pos.max()) + 1
         mass = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, scores[valid])
         norm = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, norms[valid])
-        count = torch.bincount(pos, minlength=width)
-        present = (count > 0).nonzero().flatten().tolist()
+        count = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, torch.ones(pos.shape, dtype=torch.float64))
+        here = count > 0
+        present = here.nonzero().flatten().tolist()
         # The snapshot holds every rank's heads: all query heads of the model.
         heads = max(self.model.num_q_heads * self.heads_size, 1) if self.model is not None else 1
         scale = TOP_HEADS / heads
-        mass_l, norm_l, count_l = mass.tolist(), norm.tolist(), count.tolist()
+        mass_l, count_l = mass.tolist(), count.tolist()
         tokens = [[p for p, _ in st.queued], [t for _, t in st.queued]]
         st.queued = []
         if st.trunks is None:  # prompt kept in the radix cache: trunks from generated tokens only
@@ -365,7 +366,7 @@ class CrystalCachePolicy(Policy):
         st.breaths += 1
         if not any(trunks.trunks):  # only an unfinished sentence: nothing to judge
             return
-        inv = {p: (count_l[p] / norm_l[p]) if norm_l[p] > 0 else 0.0 for p in present}
+        inv = dict(zip(present, torch.where(norm > 0, count / norm, 0.0)[here].tolist()))
         # Judge only what the trunk table knows (a token whose id has not
         # been seen yet stays kept until the next cycle).
         known = max(max((g[-1] for g in trunks.trunks if g), default=-1),
