@@ -9,6 +9,8 @@ VENV="${KVSIEVE_VENV:-$ROOT/.venv}"
 cmd="${1:-}"; shift || true
 case "$cmd" in
   serve) exec "$VENV/bin/kvsieve" serve "$@" ;;
-  test)  cd "$ROOT" && exec "$VENV/bin/python" -m pytest "$@" ;;
+  # Two pytest-xdist workers (tests/conftest.py hands each a whole group of
+  # tests that share servers); `-n 0` after it runs in one process.
+  test)  cd "$ROOT" && exec "$VENV/bin/python" -m pytest -n 2 "$@" ;;
   *) echo "usage: ./dev.sh serve [options] | ./dev.sh test [pytest options]" >&2; exit 2 ;;
 esac

@@ -22,6 +22,7 @@ its module ends.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -43,6 +44,37 @@ KVSIEVE = str(Path(sys.executable).with_name("kvsieve"))
 # tests/test_triton_kernels.py runs it in a process of its own.
 if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore = ["interpreted"]
+
+
+# ----- parallel runs: ./dev.sh test runs two pytest-xdist workers -----
+# Each worker has its own session fixtures, so the scheduler below hands out
+# whole groups: every file that names one of the shared servers goes to one
+# worker (each server starts once), so do the Ray files (a second cluster
+# beside the first would only slow both), and any other file stays whole on
+# one worker (its module-scoped server starts once).
+SHARED_SERVERS = ("llama_server", "qwen3_server", "chunked_server", "guarded_server")
+RAY_FILES = frozenset({"test_scale_ray.py", "test_fleet_multinode.py", "test_fleet_autoscale.py"})
+
+
+@functools.lru_cache(maxsize=None)
+def worker_group(path: Path) -> str:
+    if path.name in RAY_FILES:
+        return "ray"
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return "shared-servers" if any(name in text for name in SHARED_SERVERS) else str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        """LoadScopeScheduling with worker_group as the scope; largest groups first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(config.rootpath / nodeid.split("::", 1)[0])
+
+    return ByWorkerGroup(config, log)
 
 
 def free_port() -> int:

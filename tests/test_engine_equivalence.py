@@ -22,6 +22,20 @@ def plain_engine(model_dir, requests):
     return json.loads(line[len("RESULT "):])
 
 
+GREEDY = [{"input_ids": p, "max_new_tokens": MAX_NEW} for p in PROMPTS]
+# The same prompt with and without a kv_policy in custom_params.
+POLICY_PAIR = [{"input_ids": PROMPTS[0], "max_new_tokens": 5,
+                "custom_params": {"kv_policy": {"name": "full", "params": {}}}},
+               {"input_ids": PROMPTS[0], "max_new_tokens": 5, "custom_params": None}]
+
+
+@pytest.fixture(scope="module")
+def plain_llama(tiny_llama):
+    """One plain Engine on the tiny Llama for both tests that need one: the
+    greedy runs first, then the kv_policy pair (requests run one by one)."""
+    return plain_engine(tiny_llama, GREEDY + POLICY_PAIR)
+
+
 def kvsieve_greedy(server, input_ids):
     body = {"prompt": input_ids, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "kv_policy": "full"}
@@ -32,9 +46,11 @@ def kvsieve_greedy(server, input_ids):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_full_greedy_equals_plain_sglang(arch, request):
-    model_dir = request.getfixturevalue(f"tiny_{arch}")
-    server = request.getfixturevalue(f"{arch}_server")
-    expected = plain_engine(model_dir, [{"input_ids": p, "max_new_tokens": MAX_NEW} for p in PROMPTS])
+    server = request.getfixturevalue("llama_server" if arch == "llama" else "qwen3_server")
+    if arch == "llama":
+        expected = request.getfixturevalue("plain_llama")[:len(GREEDY)]
+    else:
+        expected = plain_engine(request.getfixturevalue(f"tiny_{arch}"), GREEDY)
     for prompt, ref in zip(PROMPTS, expected):
         got = kvsieve_greedy(server, prompt)
         assert len(got) == MAX_NEW
@@ -43,15 +59,11 @@ def test_full_greedy_equals_plain_sglang(arch, request):
     assert len(set(expected[0]["output_ids"])) > 3
 
 
-def test_kv_policy_arrives_in_the_scheduler(tiny_llama):
+def test_kv_policy_arrives_in_the_scheduler(plain_llama):
     # A plain Engine, no kvsieve front end: the kvsieve plugin (loaded by SGLang
     # in its spawned scheduler process) reads custom_params there and reports
     # per-token usage back; a request without kv_policy gets no report.
-    spec = {"name": "full", "params": {}}
-    with_policy, without = plain_engine(tiny_llama, [
-        {"input_ids": PROMPTS[0], "max_new_tokens": 5, "custom_params": {"kv_policy": spec}},
-        {"input_ids": PROMPTS[0], "max_new_tokens": 5, "custom_params": None},
-    ])
+    with_policy, without = plain_llama[len(GREEDY):]
     records = with_policy["meta_info"]["kvsieve_kv_usage"]
     assert len(records) == 5 and records[:-1] == [None] * 4
     assert records[-1]["policy"] == "full"
