@@ -3,7 +3,8 @@ length and answer agreement on math word problems (bench/eval's `math`
 task: reasoning-gym's gsm_symbolic, graded with math-verify).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.skipkv_steering \
-        --problems 12 --max-tokens 160 --concurrency 12 --out bench/results/skipkv-steering-smollm2.json
+        --problems 12 --max-tokens 160 --concurrency 12 --traces 16 --serve-arg=--max-total-tokens=8192 \
+        --out bench/results/skipkv-steering-smollm2.json
 
 It calibrates the steering vectors of the model (`kvsieve calibrate skipkv`)
 into a fresh file store, starts `kvsieve serve` on that store (the embedded
@@ -88,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--traces", type=int, default=64, help="calibration traces")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra `kvsieve serve` argument (repeatable), e.g. --serve-arg=--max-total-tokens=8192")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests in flight (default 1: solo, batch-invariant; more: each configuration's "
                          "problems batched together)")
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
             "command": " ".join(["python -m bench.skipkv_steering", *(argv or sys.argv[1:])]),
             "model": args.model or "SmolLM2-135M-Instruct (embedded default)", "calibration": calibration,
             "task": "bench/eval math (reasoning-gym gsm_symbolic)", "seed": args.seed,
-            "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "serve_args": args.serve_arg,
             "requests": ("one at a time (solo)" if args.concurrency == 1 else
                          f"{args.concurrency} in flight, one configuration at a time") + ", greedy",
             "budget": "skipkv's default 1024: no eviction"}
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
-    with serve(args.model, env=env, log_path=work / "serve.log") as url:
+    with serve(args.model, extra_args=tuple(args.serve_arg), env=env, log_path=work / "serve.log") as url:
         client = Client(url)
         with tqdm(total=len(items) * len(configs), desc="skipkv steering", unit="request") as bar, \
                 ThreadPoolExecutor(args.concurrency) as pool:
