@@ -3,11 +3,12 @@ one, and report registers and spill stack per thread (cuobjdump, shipped
 with Triton): a GPU-only compile error or a tile that spills shows before
 any device time is spent.
 
-    python bench/kernel_compile_check.py [--arch 90]
+    python bench/kernel_compile_check.py [--arch 90] [--decode-tbq]
 
 Shapes: R1-Distill-Qwen-7B (G = 7, padded to 8) and Llama-3.1-8B (G = 4),
 head_dim 128, page 16, bf16; the tile configurations bench/kernel_check.py
-sweeps."""
+sweeps. `--decode-tbq` compiles the decode kernel instead, over bf16 pages
+(block 32) and over quantized pages (TBQ: block = page 16, 4 and 8 warps)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,30 @@ def usage(kernel) -> str:
     return " ".join(f for f in fields if f.startswith(("REG:", "STACK:")))
 
 
+def decode_tbq(target) -> None:
+    from kvsieve.kernels import decode_attention as da
+
+    dt = "*bf16"
+    ptrs = dict(Q=dt, PoolK=dt, PoolV=dt, PrefixSlots="*i64", PrefixLen="*i64", RegK=dt, RegV=dt, Valid="*u8",
+                Table="*i64", PartO="*fp32", PartM="*fp32", PartL="*fp32", Logits="*fp16", BlockMax="*fp32",
+                Format="*i8", QK="*u8", QV="*u8", QKScale="*u8", QVScale="*u8", QPageScale="*fp32")
+    for model, G in GROUPS.items():
+        for quant, block, warps in ((False, 32, 4), (True, 16, 4), (True, 16, 8)):
+            for observe in (False, True):
+                ce = dict(G=G, G_PAD=16, D=128, DV=128, PAGE=16, BLOCK=block, STORE_REGION_LOGITS=observe,
+                          STORE_PREFIX_LOGITS=observe, QUANT=quant)
+                k = triton.compile(source(da._partial_kernel, ptrs, ce), target=target,
+                                   options=dict(num_warps=warps, num_stages=2))
+                print(f"decode {model} quantized {quant} block {block} warps {warps} observed {observe}: "
+                      f"{usage(k)} shared {k.metadata.shared}", flush=True)
+
+
 def main() -> None:
     arch = int(sys.argv[sys.argv.index("--arch") + 1]) if "--arch" in sys.argv else 90
     target = GPUTarget("cuda", arch, 32)
+    if "--decode-tbq" in sys.argv:
+        decode_tbq(target)
+        return
     dt = "*bf16"
     extend_ptrs = dict(Q=dt, Pos="*i64", PoolK=dt, PoolV=dt, PrefixSlots="*i64", PrefixLen="*i64", RegK=dt, RegV=dt,
                        Valid="*u8", Position="*i64", Table="*i64", Out=dt, Lse="*fp32")

@@ -4,10 +4,10 @@ serve` on CPU (the embedded SmolLM2-135M-Instruct, or --model), greedy.
 Each prompt runs under both settings on one server; kv_usage gives the
 retained bytes (codes and scales, exact) and tokens of each request.
 
-    .venv/bin/python bench/tbq_cpu.py [--prompts 6] [--tokens 512] [--budget 256] [--model DIR]
+    .venv/bin/python bench/tbq_cpu.py [--prompts 4] [--tokens 384] [--budget 128] [--model DIR]
 
 Committed result: bench/results/tbq-cpu.json, from
-`python bench/tbq_cpu.py --prompts 6 --tokens 512 --budget 256`.
+`python bench/tbq_cpu.py --prompts 4 --tokens 384 --budget 128` (2 shared cores).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def summary(runs: list[dict], layers_heads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=384)
+    ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--model", help="checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
     args = ap.parse_args()
     extra = ["--model", args.model] if args.model else []

@@ -56,27 +56,38 @@ def _e4m3(bits):
 
 
 @triton.jit
-def _quantized(Codes, Scale, PageScale, row, off, fmt, d, src_c, src_o, ss_r, ss_o, ok, PER_CHANNEL: tl.constexpr):
-    """One block of quantized slots [BLOCK, D] as float32 (kernels.kv_formats):
-    fmt per slot (1 ternary, 2 NVFP4, 3 FP8); PER_CHANNEL: keys (E4M3 scale per
-    channel of the page) or values (per 16 channels of the slot)."""
-    f = fmt[:, None]
-    byte = tl.where(f == 3, d[None, :], tl.where(f == 2, d[None, :] // 2, d[None, :] // 4))
-    b = tl.load(Codes + row[:, None] * src_c + off[:, None] * src_o + byte, mask=ok[:, None], other=0).to(tl.int32)
-    nib = (b >> ((d[None, :] % 2) * 4)) & 15
-    i = nib & 7
-    e2m1 = tl.where(i < 2, i.to(tl.float32) * 0.5, (1.0 + (i & 1).to(tl.float32) * 0.5) * tl.exp2(((i >> 1) - 1).to(tl.float32)))
-    e2m1 = tl.where((nib & 8) != 0, -e2m1, e2m1)
-    two = (b >> ((d[None, :] % 4) * 2)) & 3
-    tern = tl.where(two == 1, 1.0, tl.where(two == 3, -1.0, 0.0))
-    if PER_CHANNEL:
-        sbits = tl.load(Scale + row[:, None] * ss_r + d[None, :], mask=ok[:, None], other=0)
+def _e2m1(nib):
+    """E2M1 codes (int32, 0..15: sign << 3 | exponent << 1 | mantissa) as
+    float32, through FP16 bits: no transcendental per element."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    bits = tl.where(e == 0, m * (14 << 10), ((e + 14) << 10) | (m << 9)) | ((nib & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _quantized_page(Codes, Scale, PageScale, row, off, fmt, d, sq_c, sq_o, ss_r, ss_o, ok, PER_CHANNEL: tl.constexpr):
+    """One quantized page's slots [PAGE, D] as float32 (kernels.kv_formats),
+    its format `fmt` a scalar (a block is one page): only that format's
+    bytes are read and decoded. PER_CHANNEL: keys (an E4M3 scale per channel
+    of the page) or values (per 16 channels of a slot)."""
+    base = Codes + row * sq_c + off[:, None] * sq_o
+    page_scale = tl.load(PageScale + row * 2)  # [pages, 2]: keys, values
+    if fmt == 3:  # FP8: a byte per element, the page's FP32 scale
+        x = _e4m3(tl.load(base + d[None, :], mask=ok[:, None], other=0).to(tl.int32))
     else:
-        sbits = tl.load(Scale + row[:, None] * ss_r + off[:, None] * ss_o + d[None, :] // 16, mask=ok[:, None],
-                        other=0)
-    group = _e4m3(sbits.to(tl.int32))
-    page_scale = tl.load(PageScale + row * 2, mask=ok, other=0.0)[:, None]  # [pages, 2]: keys, values
-    x = tl.where(f == 3, _e4m3(b), tl.where(f == 2, e2m1 * group, tern * group))
+        if PER_CHANNEL:
+            group = _e4m3(tl.load(Scale + row * ss_r + d).to(tl.int32))[None, :]
+        else:
+            group = _e4m3(tl.load(Scale + row * ss_r + off[:, None] * ss_o + d[None, :] // 16, mask=ok[:, None],
+                                  other=0).to(tl.int32))
+        if fmt == 2:  # NVFP4: two per byte, element 2j in the low nibble
+            b = tl.load(base + d[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
+            x = _e2m1((b >> ((d[None, :] % 2) * 4)) & 15) * group
+        else:  # ternary: four per byte; 01 = +1, 11 = -1
+            b = tl.load(base + d[None, :] // 4, mask=ok[:, None], other=0).to(tl.int32)
+            two = (b >> ((d[None, :] % 4) * 2)) & 3
+            x = ((two == 1).to(tl.float32) - (two == 3).to(tl.float32)) * group
     return x * page_scale
 
 
@@ -156,20 +167,20 @@ def _partial_kernel(
         page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
         off = s % PAGE
         seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
-        if QUANT:  # pages past the null page are quantized (radix_ext/tbq_store.py)
-            quantized = page > null_page
-            full = seen & ~quantized
-            qseen = seen & quantized
-            row = tl.where(qseen, page - null_page - 1, 0)
-            fmt = tl.load(Format + page, mask=qseen, other=0).to(tl.int32)
-            k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=full[:, None],
-                        other=0.0)
-            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=full[:, None],
-                        other=0.0)
-            kq = _quantized(QK, QKScale, QPageScale, row, off, fmt, d, sq_c, sq_o, sqks_r, 0, qseen, True)
-            vq = _quantized(QV, QVScale, QPageScale + 1, row, off, fmt, dv, sq_c, sq_o, sqvs_r, sqvs_o, qseen, False)
-            k = tl.where(qseen[:, None], kq, k.to(tl.float32)).to(q.dtype)
-            v = tl.where(qseen[:, None], vq, v.to(tl.float32)).to(RegV.dtype.element_ty)
+        if QUANT:  # a block is one page; pages past the null page are quantized (radix_ext/tbq_store.py)
+            pid = tl.max(page, 0)
+            if pid > null_page:
+                row = pid - null_page - 1
+                fmt = tl.load(Format + pid).to(tl.int32)
+                k = _quantized_page(QK, QKScale, QPageScale, row, off, fmt, d, sq_c, sq_o, sqks_r, 0, seen,
+                                    True).to(q.dtype)
+                v = _quantized_page(QV, QVScale, QPageScale + 1, row, off, fmt, dv, sq_c, sq_o, sqvs_r, sqvs_o, seen,
+                                    False).to(RegV.dtype.element_ty)
+            else:
+                k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None],
+                            other=0.0)
+                v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
+                            other=0.0)
         else:
             k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None],
                         other=0.0)
@@ -286,7 +297,9 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     page_size] fp32 ||v||_1 per slot if the region keeps it (else PV_NORM
     reads V). With quantized pages (`quant`, a tbq_store.QuantPool, and
     `formats` [pages] the page formats), page ids past the null page are
-    read from `quant` at their format; region_vnorm is then required. Observations as attention_ref.attend_rows gives them:
+    read from `quant` at their format, one page per key block (`block` is
+    the page size); region_vnorm is then required. Observations as
+    attention_ref.attend_rows gives them:
     attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq]."""
     R, Hq, D = q.shape
     Hkv = table.shape[1]
@@ -296,6 +309,8 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     PAGE = region_k.shape[1]
     S = table.shape[2] * PAGE
     dev = q.device
+    if quant is not None:
+        block = PAGE  # one page per block: one format per block, decoded alone
     P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
     keys = P_pad + S
     splits = num_splits or default_splits(keys)

@@ -199,26 +199,43 @@ def _pad(codes: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
 
 
+_LUTS: dict = {}
+
+
+def _lut(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values of every code byte: NVFP4 [256, 2] and ternary [256, 4]."""
+    key = str(device)
+    if key not in _LUTS:
+        byte = torch.arange(256, dtype=torch.uint8)
+        nv = _e2m1_values(_unpack(byte.view(256, 1), 4, 2))
+        tern = _ternary_values(_unpack(byte.view(256, 1), 2, 4))
+        _LUTS[key] = (nv.to(device), tern.to(device))
+    return _LUTS[key]
+
+
 def dequantize_pages(q: QuantPages, fmt: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V [N, S, D] float32 of pages in formats fmt [N] (FULL rows: zeros)."""
+    """K, V [N, S, D] float32 of pages in formats fmt [N] (FULL rows: zeros).
+    Code bytes decode through lookup tables (one gather per format)."""
     N, S, width = q.k_codes.shape
     D = head_dim
     shape = (-1, 1, 1)
     kpage, vpage = q.page_scale[:, 0].view(shape), q.page_scale[:, 1].view(shape)
-    k = torch.zeros((N, S, D), dtype=torch.float32, device=q.k_codes.device)
-    v = torch.zeros_like(k)
-    if width >= D:  # FP8 fits this class
-        is_fp8 = (fmt == FP8).view(shape)
-        k = torch.where(is_fp8, e4m3_decode(q.k_codes[..., :D].contiguous()) * kpage, k)
-        v = torch.where(is_fp8, e4m3_decode(q.v_codes[..., :D].contiguous()) * vpage, v)
+    nv_lut, tern_lut = _lut(q.k_codes.device)
     kscale = (e4m3_decode(q.k_scale) * kpage.view(-1, 1)).unsqueeze(1)  # [N, 1, D]
     vscale = (e4m3_decode(q.v_scale) * vpage).repeat_interleave(GROUP, -1)  # [N, S, D]
-    is_nv = (fmt == NVFP4).view(shape)
-    k = torch.where(is_nv, _e2m1_values(_unpack(q.k_codes, 4, D)) * kscale, k)
-    v = torch.where(is_nv, _e2m1_values(_unpack(q.v_codes, 4, D)) * vscale, v)
-    is_t = (fmt == TERNARY).view(shape)
-    k = torch.where(is_t, _ternary_values(_unpack(q.k_codes, 2, D)) * kscale, k)
-    v = torch.where(is_t, _ternary_values(_unpack(q.v_codes, 2, D)) * vscale, v)
+    f = fmt.view(shape)
+
+    def decode(codes):
+        nv = nv_lut[codes[..., :D // 2].long()].flatten(-2)
+        tern = tern_lut[codes[..., :D // 4].long()].flatten(-2)
+        x = torch.where(f == NVFP4, nv, torch.where(f == TERNARY, tern, 0.0))
+        if width >= D:  # FP8 fits this class
+            x = torch.where(f == FP8, e4m3_decode(codes[..., :D].contiguous()), x)
+        return x
+
+    is_fp8 = f == FP8
+    k = decode(q.k_codes) * torch.where(is_fp8, kpage, kscale)
+    v = decode(q.v_codes) * torch.where(is_fp8, vpage, vscale)
     return k, v
 
 
