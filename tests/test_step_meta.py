@@ -164,7 +164,7 @@ def test_after_step_counts_retained_tokens_and_ends_overflowed_requests(runtime)
     assert b.overflowed and b.sgl_req.to_finish is not None  # ended with a 503, a untouched
     # Counts taken before a request ended are dropped for it: end() settled its gauges.
     reported = a.reported_tokens
-    RUNTIME._snapshot = ([a], torch.tensor([[10 * L * H], [0]]), None)
+    RUNTIME._snapshot = ([a], torch.tensor([[10 * L * H], [0], [0]]), None)  # held, overflow, bytes
     RUNTIME.requests.pop("a")
     RUNTIME.after_step()
     assert a.reported_tokens == reported and RUNTIME._snapshot is None
