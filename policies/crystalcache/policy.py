@@ -229,7 +229,8 @@ class CrystalCachePolicy(Policy):
                 trunks: list[list[int]] = [[] for _ in range(T)]
                 for p, t in enumerate(owner):
                     trunks[t].append(p)
-                edges = {(int(a), int(b)): w for a, b, w in graph[r].tolist() if w > 0}
+                found = graph[r][graph[r, :, 2] > 0]
+                edges = dict(zip(zip(found[:, 0].long().tolist(), found[:, 1].long().tolist()), found[:, 2].tolist()))
                 kept = keep[r, :n].nonzero().flatten().tolist()
                 result = PrefillResult(Dissolution(kept, [], crystal[r, :T].tolist()), trunks, impact[r, :n].clone(),
                                        trunk_m[r, :T].tolist(), edges)

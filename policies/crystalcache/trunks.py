@@ -27,7 +27,8 @@ class CrystalTrunks:
         kept = set(prefill.dissolution.kept)
         self.delimiters = delimiters
         self.counts = Counter(token_ids)
-        self.impact = {p: float(prefill.impact[p]) for p in kept}
+        impact = prefill.impact.tolist()
+        self.impact = {p: impact[p] for p in kept}
         self.trunks = [[p for p in g if p in kept] for g in prefill.trunks]
         self.trunk_m = list(prefill.trunk_m)
         self.crystal = list(prefill.dissolution.crystal)
