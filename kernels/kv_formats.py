@@ -75,11 +75,16 @@ def e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float8_e4m3fn).to(torch.float32)
 
 
+_MIDPOINTS: dict = {}
+
+
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """4-bit codes (sign << 3 | magnitude index) of x, already divided by its scale."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=x.device)
-    mid = (grid[1:] + grid[:-1]) / 2
-    index = torch.bucketize(x.abs().clamp(max=E2M1_MAX), mid)
+    key = str(x.device)
+    if key not in _MIDPOINTS:  # made once per device: no host copy in later calls
+        grid = torch.tensor(E2M1_GRID, dtype=torch.float32)
+        _MIDPOINTS[key] = ((grid[1:] + grid[:-1]) / 2).to(x.device)
+    index = torch.bucketize(x.abs().clamp(max=E2M1_MAX), _MIDPOINTS[key])
     return (index | ((x < 0).to(torch.int64) << 3)).to(torch.uint8)
 
 

@@ -109,6 +109,11 @@ class PageManager:
         #: pages and for quantized pages that hold nothing yet).
         self.format = torch.zeros(n, dtype=torch.int8, device=c.device)
         self.quant = QuantPool(c) if c.quant_pages else None
+        element = torch.empty((), dtype=c.dtype).element_size()
+        #: Bytes of a slot and of a page's own scales, by format id (retained_bytes_of_rows).
+        self._format_bytes = (
+            torch.tensor([kvf.slot_bytes(f, c.head_dim, element) for f in range(4)]).to(c.device),
+            torch.tensor([kvf.page_bytes(f, c.head_dim) for f in range(4)]).to(c.device))
         self.valid = torch.zeros(n, c.page_size, dtype=torch.bool, device=c.device)
         self.position = torch.full((n, c.page_size), -1, dtype=torch.int64, device=c.device)
         self.score = torch.zeros(n, c.page_size, dtype=torch.float32, device=c.device)
@@ -182,11 +187,7 @@ class PageManager:
         and the scales of every page that holds a valid slot. A device
         tensor (no sync); flushes first, like held_tokens_of_rows."""
         self.flush()
-        c = self.config
-        element = torch.empty((), dtype=c.dtype).element_size()
-        formats = range(4)
-        per_slot = torch.tensor([kvf.slot_bytes(f, c.head_dim, element) for f in formats], device=self.valid.device)
-        per_page = torch.tensor([kvf.page_bytes(f, c.head_dim) for f in formats], device=self.valid.device)
+        per_slot, per_page = self._format_bytes
         out = []
         for chunk in rows.split(ROWS_PER_COUNT):
             table = self.table[chunk]
