@@ -18,7 +18,14 @@ Choice:
 - `min_quality` Q in [0, 1]: among the points with quality >= Q, the
   smallest fraction (ties: the higher quality); `full` always qualifies.
 
-Without an artifact for the model (the documented default, reported as
+Where the store has no artifact for the model, one shipped with kvsieve
+(service/calibrations/auto/<model>.json, the measured grid of
+docs/results.md, committed as `kvsieve calibrate auto --artifact-out`
+writes it) stands in; the report says which (`"origin": "store"` or
+`"shipped"`). A store artifact always wins, so a calibration on the
+user's own machine replaces the shipped one.
+
+Without any artifact for the model (the documented default, reported as
 `"source": "default"` with the reason):
 - `max_kv_fraction` X: `{"name": "h2o", "budget_ratio": X, "compress_prompt": true}`
   (H2O needs no calibration and keeps about X of every private token);
@@ -33,9 +40,12 @@ kv_policy (service/app.py); `auto` is not a registered policy.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from kvsieve.policies import KVPolicyError
@@ -47,6 +57,16 @@ ARTIFACT_KIND = "auto"
 ARTIFACT_VERSION = 1
 CONSTRAINTS = ("max_kv_fraction", "min_quality")
 DEFAULT_FRACTION_POLICY = "h2o"
+SHIPPED_DIR = Path(__file__).resolve().parent / "calibrations" / "auto"
+
+
+@functools.lru_cache(maxsize=8)
+def shipped_artifact(model: str) -> Optional[dict]:
+    """The artifact shipped with kvsieve for `model`, or None (read once)."""
+    path = SHIPPED_DIR / f"{model}.json"
+    if "/" in model or not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 def is_auto(value: Any) -> bool:
@@ -144,19 +164,28 @@ class AutoPolicy:
         self.model = model
         self.usable = usable
         self._cached: tuple[Any, Optional[list[Point]], Optional[str]] = (object(), None, None)
+        self.origin = "store"
 
     def _points(self, store, version) -> tuple[Optional[list[Point]], str]:
-        """(points or None, why none)."""
-        if store is None:
-            return None, "no store configured"
+        """(points or None, why none); sets self.origin."""
         if self._cached[0] != version or version is None:
-            try:
-                data = store.get_artifact(ARTIFACT_KIND, self.model)
-            except Exception as exc:  # store down: serve the documented default, say why
-                logger.warning("auto: cannot read the %r artifact of %r: %s", ARTIFACT_KIND, self.model, exc)
-                return None, f"the store could not be read ({type(exc).__name__})"
+            data, origin = None, "store"
+            if store is not None:
+                try:
+                    data = store.get_artifact(ARTIFACT_KIND, self.model)
+                except Exception as exc:  # store down: the shipped artifact or the default, say why
+                    logger.warning("auto: cannot read the %r artifact of %r: %s", ARTIFACT_KIND, self.model, exc)
+                    shipped = shipped_artifact(self.model)
+                    if shipped is None:
+                        return None, f"the store could not be read ({type(exc).__name__})"
+                    data, origin = shipped, "shipped"
             if data is None:
-                points, why = None, f"no {ARTIFACT_KIND!r} calibration artifact for model {self.model!r}"
+                data, origin = shipped_artifact(self.model), "shipped"
+            self.origin = origin
+            if data is None:
+                points = None
+                why = (f"no {ARTIFACT_KIND!r} calibration artifact for model {self.model!r}" if store is not None
+                       else f"no store configured and no shipped {ARTIFACT_KIND!r} artifact for {self.model!r}")
             else:
                 try:
                     points, why = check_artifact(data), None
@@ -179,7 +208,8 @@ class AutoPolicy:
                           policy=chosen["name"], **_budget_report(chosen))
             return chosen, report
         point, met = choose(points, constraint, x)
-        report.update(source="artifact", policy=point.kv_policy["name"], **_budget_report(point.kv_policy),
+        report.update(source="artifact", origin=self.origin, policy=point.kv_policy["name"],
+                      **_budget_report(point.kv_policy),
                       expected_kv_fraction=round(point.kv_fraction, 4), expected_quality=round(point.quality, 4),
                       met=met)
         return dict(point.kv_policy), report

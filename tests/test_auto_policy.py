@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from conftest import kvsieve_cli
-from kvsieve.service.auto_policy import ARTIFACT_KIND
+from kvsieve.service.auto_policy import ARTIFACT_KIND, AutoPolicy, check_artifact, choose, shipped_artifact
+from kvsieve.service.default_model import DEFAULT_MODEL_NAME
 from kvsieve.service.store import FileStore, open_store
 
 MODEL = "tiny-llama"
@@ -88,7 +89,8 @@ def test_the_choice_follows_the_artifact(guarded_server, store):
     # At most 10% of the KV: the best quality among the points that small.
     usage = _auto(guarded_server, max_kv_fraction=0.1)
     assert usage["policy"] == "snapkv"
-    assert usage["auto"] == {"max_kv_fraction": 0.1, "model": MODEL, "source": "artifact", "policy": "snapkv",
+    assert usage["auto"] == {"max_kv_fraction": 0.1, "model": MODEL, "source": "artifact", "origin": "store",
+                             "policy": "snapkv",
                              "budget": 32, "expected_kv_fraction": 0.09, "expected_quality": 0.9, "met": True}
     # At least 95% of full's quality: the smallest KV that gets there.
     usage = _auto(guarded_server, min_quality=0.95)
@@ -143,3 +145,42 @@ def test_calibrate_auto_measures_through_the_engine_and_stores_the_points(llama_
     assert set(grid["cells"]) == {f"{t}|{p}" for t in ("math", "needle", "da") for p in ("full|-", "streaming|r0.5")}
     bad = kvsieve_cli("calibrate", "auto", "--model", str(tiny_llama), "--budgets", "f0.1")
     assert bad.returncode == 2 and "a point needs a budget a request can carry" in bad.stderr
+
+    # The same points from the grid's results file, without running it again,
+    # also written where kvsieve ships artifacts from.
+    shipped = tmp_path / "shipped.json"
+    again = kvsieve_cli("calibrate", "auto", "--model", str(tiny_llama), "--from-results", str(tmp_path / "grid.json"),
+                        "--artifact-out", str(shipped), env={"KVSIEVE_STORE__URL": f"file://{tmp_path / 's2.json'}"},
+                        timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    written = json.loads(shipped.read_text())
+    assert written["points"] == stored["points"] and written["tasks"] == ["da", "math", "needle"]
+    assert FileStore(tmp_path / "s2.json").get_artifact(ARTIFACT_KIND, MODEL)["points"] == stored["points"]
+    # A grid whose math prompts followed each policy's default has no single
+    # kv_policy per point: refused, saying why.
+    grid["meta"]["tasks_config"]["compress_prompt"] = "task"
+    (tmp_path / "mixed.json").write_text(json.dumps(grid))
+    mixed = kvsieve_cli("calibrate", "auto", "--model", str(tiny_llama), "--from-results", str(tmp_path / "mixed.json"))
+    assert mixed.returncode == 2 and "a point needs one kv_policy for every task" in mixed.stderr
+
+
+def test_a_shipped_artifact_stands_in_until_the_store_has_one(tmp_path):
+    """The artifact committed for the embedded model (service/calibrations/auto)
+    answers auto on a fresh clone; a store artifact replaces it."""
+    shipped = shipped_artifact(DEFAULT_MODEL_NAME)
+    assert shipped is not None and shipped["model"] == DEFAULT_MODEL_NAME
+    store = FileStore(tmp_path / "store.json")
+    auto = AutoPolicy(DEFAULT_MODEL_NAME)
+    for constraint, x in (("max_kv_fraction", 0.1), ("min_quality", 0.95)):
+        kv_policy, report = auto.resolve({"name": "auto", constraint: x}, store, store.version())
+        point, met = choose(check_artifact(shipped), constraint, x)
+        assert kv_policy == point.kv_policy and report["met"] is met
+        assert report["source"] == "artifact" and report["origin"] == "shipped"
+    store.put_artifact(ARTIFACT_KIND, DEFAULT_MODEL_NAME, {"model": DEFAULT_MODEL_NAME, "points": [
+        {"kv_policy": {"name": "h2o", "budget": 24}, "kv_fraction": 0.08, "quality": 0.93}]})
+    kv_policy, report = auto.resolve({"name": "auto", "max_kv_fraction": 0.1}, store, store.version())
+    assert kv_policy == {"name": "h2o", "budget": 24} and report["origin"] == "store"
+    # Nothing shipped for another model: the documented default, said so.
+    kv_policy, report = AutoPolicy("no-such-model").resolve({"name": "auto", "max_kv_fraction": 0.1}, store,
+                                                            store.version())
+    assert report["source"] == "default" and kv_policy["name"] == "h2o"
