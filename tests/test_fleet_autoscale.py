@@ -163,6 +163,19 @@ def test_replicas_serve_the_configured_name_and_key_artifacts_by_it(autoscaling_
     assert not fallbacks, f"thinkv ran uncalibrated on the replica: {fallbacks}"
 
 
+def sse_lines(response):
+    """The lines of an event stream, split at \n only: httpx's iter_lines
+    also splits at U+2028, U+0085 and the like, which a model's text may
+    hold (JSON leaves them unescaped), cutting an event in two."""
+    pending = ""
+    for text in response.iter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
 def _streams_until(s: Service, user: int, stop: threading.Event, results: list) -> None:
     """One user: streamed completions, one after the other, until `stop`."""
     body = {"prompt": f"user {user} thinks aloud", "max_tokens": 300, "ignore_eos": True, "stream": True}
@@ -172,7 +185,7 @@ def _streams_until(s: Service, user: int, stop: threading.Event, results: list) 
         try:
             with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=300) as r:
                 out["status"] = r.status_code
-                for line in r.iter_lines():
+                for line in sse_lines(r):
                     if line == "data: [DONE]":
                         out["done"] = True
                         break

@@ -147,6 +147,19 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
                 proc.wait()
 
 
+def sse_lines(response):
+    """The lines of an event stream, split at \n only: httpx's iter_lines
+    also splits at U+2028, U+0085 and the like, which a model's text may
+    hold (JSON leaves them unescaped), cutting an event in two."""
+    pending = ""
+    for text in response.iter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
 def _stream(s: RayService, body: dict, out: dict, started: threading.Event | None = None) -> None:
     """One streaming completion; records chunks, the error event if any, the end."""
     out.update(chunks=0, error=None, finish=None, kv_usage=None, done=False, status=None, ended=None)
@@ -154,7 +167,7 @@ def _stream(s: RayService, body: dict, out: dict, started: threading.Event | Non
         with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=300,
                           headers=s.headers) as r:
             out["status"] = r.status_code
-            for line in r.iter_lines():
+            for line in sse_lines(r):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
