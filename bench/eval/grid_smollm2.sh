@@ -3,6 +3,10 @@
 # 2-core CPU machine: two pipelines side by side (math; needle + delayed
 # association), one SGLang thread each, resumable (rerun to continue).
 # Seed policies first, then the baselines; budgets in priority order.
+# The long tasks' fractions are budget_ratio (rX: X of the private tokens so
+# far; the whole context is compressed, so about X of the full run's KV):
+# a budget a request can carry, so each cell is also a point for
+# `kvsieve calibrate auto --from-results`.
 # The long prompts are prefilled in 512-token chunks, two requests at a time:
 # under the machine's load a whole 2K-token compressed prefill could pass
 # SGLang's 300 s scheduler watchdog, which then kills the server.
@@ -42,7 +46,7 @@ long)
   retry $PY -m bench.eval run --out "$out" --tasks needle,da --needle-lengths 1024,2048 --needle-depths 0,0.5,1 \
     --da-distances 1024,2048 --da-samples 1 --concurrency 2 --serve-arg=--max-total-tokens=12288 \
     --serve-arg=--chunked-prefill-size=512 \
-    --policies "crystalcache,$SEED,$PROMPT_CUTTERS,$BASE" --budgets f0.1,256,f0.4,128,f0.2,512,64,f0.05
+    --policies "crystalcache,$SEED,$PROMPT_CUTTERS,$BASE" --budgets r0.1,256,r0.4,128,r0.2,512,64,r0.05
   ;;
 *)
   echo "usage: $0 math|long" >&2
