@@ -59,6 +59,12 @@ def _init(environment, **_):
     _log = RequestLog(environment.parsed_options.request_log if environment.parsed_options else "")
 
 
+def _body_or_error(resp) -> str:
+    """What a failed response says: its body, or (status 0: no response at
+    all) the client's exception, so a transport error names its cause."""
+    return resp.text[:200] if resp.status_code else repr(resp.error)[:200]
+
+
 class _KvsieveUser(HttpUser):
     abstract = True
 
@@ -78,7 +84,7 @@ class _KvsieveUser(HttpUser):
             record["status"] = resp.status_code
             try:
                 if resp.status_code != 200:
-                    resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                    resp.failure(f"HTTP {resp.status_code}: {_body_or_error(resp)}")
                 elif stream:
                     self._read_stream(resp, start, record)
                 else:
@@ -176,6 +182,6 @@ class BadRequestUser(_KvsieveUser):
             if ok:
                 resp.success()
             else:
-                resp.failure(f"expected {expected}, got {resp.status_code}: {resp.text[:200]}")
+                resp.failure(f"expected {expected}, got {resp.status_code}: {_body_or_error(resp)}")
         _log.write(scenario="bad", policy="invalid", stream=False, status=resp.status_code, expected=expected,
                    start=start, end=time.time(), latency=time.time() - start, error=None if ok else label)

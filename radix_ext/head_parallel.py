@@ -11,13 +11,16 @@ rank decides the same thing:
   sparsity over all query heads, Crystal-KV's adaptive budgets move pages
   between all heads: they reduce or gather through `heads`.
 
-Usage (kv_usage, metrics) is reported by attention-TP rank 0 only, with
-bytes scaled to every rank's share (ranks hold equal head counts).
+A request's kv_usage sums its counts over every rank's heads (one small
+all-reduce when it ends); the live metrics count tokens on attention-TP rank
+0 only and bytes on each rank for its own heads.
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from kvsieve.policies.observations import LOCAL_HEADS, HeadShards
 
@@ -52,6 +55,9 @@ def reports_usage() -> bool:
     return SHARDS.rank == 0
 
 
-def total_bytes(local_bytes: int) -> int:
-    """A request's retained bytes over every rank, from this rank's share."""
-    return local_bytes * SHARDS.size
+def sum_over_ranks(counts: list[int], device) -> list[int]:
+    """Counts summed over every rank's heads (a collective: every rank calls
+    it at the same point); the counts themselves with one rank."""
+    if SHARDS.size == 1:
+        return counts
+    return SHARDS.sum(torch.tensor(counts, dtype=torch.int64, device=device)).tolist()

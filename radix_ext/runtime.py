@@ -318,14 +318,18 @@ class KVRuntime:
         evicted, events = self.counters[row].tolist() if row >= 0 else (0, 0)
         size = int(self.region.retained_bytes_of_rows(to_device([row], torch.int64, self.counters.device))[0]) \
             if row >= 0 else 0
+        # Heads differ in what they hold (per-head eviction, TBQ pages and
+        # their scales), so every rank's share is summed, not scaled from
+        # this rank's. end() runs on every rank in the same order.
+        held, evicted, size = head_parallel.sum_over_ranks([held, evicted, size], self.counters.device)
+        heads = cfg.heads * head_parallel.SHARDS.size
         # A prompt kept in the radix cache is retained whole.
         kept_prompt = 0 if req.private_prompt_in_region else req.prompt_len - max(req.radix_hit, 0)
         return {
-            "retained_tokens": held // cfg.heads + kept_prompt,
-            "evicted_tokens": evicted // cfg.heads,
+            "retained_tokens": held // heads + kept_prompt,
+            "evicted_tokens": evicted // heads,
             "eviction_events": events,
-            # This rank's heads' bytes times the ranks (equal head counts each).
-            "retained_kv_bytes": head_parallel.total_bytes(size),
+            "retained_kv_bytes": size,
             # Of the region's tokens: codes and scales over K and V elements.
             "kv_bits_per_element": round(8 * size / (held * 2 * cfg.head_dim), 3) if held else None,
             "tbq": req.tbq,

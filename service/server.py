@@ -82,7 +82,11 @@ def serve(args) -> None:
     try:
         app = create_app(engine, model_name, presets)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                loop="asyncio", timeout_graceful_shutdown=5)
+                                loop="asyncio", timeout_graceful_shutdown=5,
+                                # uvicorn's 5 s default closes idle keep-alive connections
+                                # while clients and load balancers (60 s idle) still reuse
+                                # them: a request sent as the close lands is reset.
+                                timeout_keep_alive=75)
         server = _GracefulServer(config)
         engine.route_sigterm_to(lambda: server.handle_exit(signal.SIGTERM, None))
         server.run()

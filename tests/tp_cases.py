@@ -33,6 +33,12 @@ VARIANTS = {
 }
 
 
+# The covering case runs last, so its index moves as policies register; its
+# prompt is pinned to a first id probed free of ties (TP 2 equals TP 1 even
+# with no eviction: the model alone flips first ids 368 and 363 on this prompt).
+COVERING_FIRST_ID = 345
+
+
 def policy_case(name: str) -> tuple:
     if name in SPECIAL:
         return SPECIAL[name]
@@ -59,7 +65,8 @@ def tp_prompt(index: int, policy) -> list[int]:
     between ranks shows at once.)"""
     if isinstance(policy, dict) and policy["name"] == "crystalcache":
         return [362] + [(37 * k) % 400 + 1 for k in range(199)]
-    return [379 - index, 12, 250, 31, 8, 77, 190, 64]
+    first = COVERING_FIRST_ID if policy == VARIANTS["longflow-covering"][0] else 379 - index
+    return [first, 12, 250, 31, 8, 77, 190, 64]
 
 
 def case_label(policy) -> str:
