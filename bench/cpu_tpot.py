@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_cpu import start_server  # noqa: E402
 
 from kvsieve.policies import get_policy, policy_names  # noqa: E402
+from kvsieve.service.sse_client import asse_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [{"role": "user", "content": "Think step by step: what is 17 times 23?"}]
@@ -54,7 +55,7 @@ async def streamed_tpot(client, url, policy, tokens) -> tuple[float, dict]:
     first = last = None
     final = {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        async for line in r.aiter_lines():
+        async for line in asse_lines(r):
             if not line.startswith("data: {"):
                 continue
             now = time.monotonic()

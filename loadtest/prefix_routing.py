@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from kvsieve.service.scale.overhead import _start
+from kvsieve.service.sse_client import asse_lines
 
 WORDS = ("model cache token prefix replica route think verify answer number word graph node edge batch "
          "policy budget memory page layer head query key value step").split()
@@ -43,7 +44,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "kv_policy": "full"}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in asse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])

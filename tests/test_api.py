@@ -7,6 +7,7 @@ import time
 import httpx
 import openai
 import pytest
+from kvsieve.service.sse_client import sse_lines, asse_lines
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_completion_stream_with_openai_client(client, llama_server):
 def test_raw_sse_ends_with_done(llama_server):
     body = {"prompt": "one", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", f"{llama_server.url}/v1/completions", json=body, timeout=60) as r:
-        lines = [line for line in r.iter_lines() if line]
+        lines = [line for line in sse_lines(r) if line]
     assert r.headers["content-type"].startswith("text/event-stream")
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines)
@@ -168,7 +169,7 @@ def test_sixteen_concurrent_requests_all_complete(llama_server):
                 "stream": i % 2 == 0, "kv_policy": "full"}
         if body["stream"]:
             async with client.stream("POST", f"{llama_server.url}{COMP}", json=body) as r:
-                lines = [line async for line in r.aiter_lines() if line]
+                lines = [line async for line in asse_lines(r) if line]
             assert lines[-1] == "data: [DONE]"
             return json.loads(lines[-2][6:])["usage"]["completion_tokens"]
         r = await client.post(f"{llama_server.url}{COMP}", json=body)
@@ -195,7 +196,7 @@ def test_client_disconnect_mid_stream_aborts_in_engine(llama_server):
     before = _metric(llama_server, "kvsieve_requests_total", policy="full", status="aborted")
     body = {"prompt": "one two", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{llama_server.url}{COMP}", json=body, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
+        for i, _ in enumerate(sse_lines(r)):
             if i > 3:
                 break  # leaving the block closes the connection mid-stream
     # The request is aborted in the engine: nothing keeps running or holding KV.

@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+from kvsieve.service.sse_client import asse_lines
 
 WIRED = ["streaming", "h2o", "snapkv", "longflow"]
 GEN = 24
@@ -129,7 +130,7 @@ def test_every_region_page_returns_after_200_mixed_requests(llama_server):
                 if i % 10 == 3:  # disconnect mid-stream
                     body.update(stream=True, max_tokens=400)
                     async with client.stream("POST", f"{llama_server.url}/v1/completions", json=body) as r:
-                        async for _ in r.aiter_lines():
+                        async for _ in asse_lines(r):
                             break
                     return "gone"
                 r = await client.post(f"{llama_server.url}/v1/completions", json=body)

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import KVSIEVE, free_port, kvsieve_cli
+from kvsieve.service.sse_client import sse_lines
 
 START_TIMEOUT_S = 600  # Ray and an engine on a shared 2-core machine
 # Start-up, a replica added and one removed: minutes on a loaded machine.
@@ -162,18 +163,6 @@ def test_replicas_serve_the_configured_name_and_key_artifacts_by_it(autoscaling_
                  if x.labels.get("policy") == "thinkv" and x.value > 0]
     assert not fallbacks, f"thinkv ran uncalibrated on the replica: {fallbacks}"
 
-
-def sse_lines(response):
-    """The lines of an event stream, split at \n only: httpx's iter_lines
-    also splits at U+2028, U+0085 and the like, which a model's text may
-    hold (JSON leaves them unescaped), cutting an event in two."""
-    pending = ""
-    for text in response.iter_text():
-        *lines, pending = (pending + text).split("\n")
-        for line in lines:
-            yield line.rstrip("\r")
-    if pending:
-        yield pending
 
 
 def _streams_until(s: Service, user: int, stop: threading.Event, results: list) -> None:

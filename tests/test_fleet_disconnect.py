@@ -8,6 +8,7 @@ import time
 import httpx
 
 from prometheus_client.parser import text_string_to_metric_families
+from kvsieve.service.sse_client import sse_lines
 
 
 def gauge(url: str, name: str, **labels) -> float:
@@ -42,7 +43,7 @@ def test_disconnect_mid_stream_aborts_in_the_engine(llama_server):
         nonlocal chunks
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
+            for line in sse_lines(r):
                 if line.startswith("data: {"):
                     chunks += 1
                     if chunks >= 3:

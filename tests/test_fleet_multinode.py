@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import KVSIEVE, free_port
+from kvsieve.service.sse_client import sse_lines
 
 START_TIMEOUT_S = 600
 # Two node start-ups, four engine start-ups (one after the node returns):
@@ -150,7 +151,7 @@ def _stream(url: str, body: dict, out: dict, started: threading.Event) -> None:
     out.update(chunks=0, error=None, finish=None, done=False)
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
-            for line in r.iter_lines():
+            for line in sse_lines(r):
                 if line == "data: [DONE]":
                     out["done"] = True
                     break

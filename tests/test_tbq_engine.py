@@ -9,6 +9,7 @@ import time
 import httpx
 
 from test_compressed import complete, metric, region_idle
+from kvsieve.service.sse_client import sse_lines
 
 PROMPT = [13, 301, 12, 44, 150, 23, 9, 81, 200, 5, 61, 17]
 THINKV = {"name": "thinkv", "budget": 48, "params": {"refresh": 16, "retention": [8, 4], "kmeans_iters": 2}}
@@ -62,7 +63,7 @@ def test_an_aborted_tbq_request_returns_every_page_and_shows_in_the_metrics(llam
     with httpx.stream("POST", f"{llama_server.url}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
         chunks = 0
-        for line in r.iter_lines():
+        for line in sse_lines(r):
             if line.startswith("data: ") and line != "data: [DONE]":
                 json.loads(line[6:])
                 chunks += 1

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from ..sse_client import asse_lines
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -55,7 +57,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in asse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
