@@ -1,8 +1,16 @@
 """Decode attention over quantized pages (TBQ) against bf16 pages at equal
 token count, through the Triton decode kernel (kernels/decode_attention.py):
 
-    python bench/tbq_kernel.py OUT_DIR [--quick]                      # GPU
-    TRITON_INTERPRET=1 python bench/tbq_kernel.py OUT_DIR --cpu       # CPU: tiny shapes, checks only
+    python bench/tbq_kernel.py OUT_DIR [--quick] [--variant old,new] [--blocks 32,64]   # GPU
+    TRITON_INTERPRET=1 python bench/tbq_kernel.py OUT_DIR --cpu                      # CPU: tiny shapes, checks only
+
+`--variant` names the quantized paths to time, in the same run and on the
+same pages (default both): "old" (a block is one 16-token page, a branch on
+its format) and "new" (blocks of `--blocks` slots, each block's pages of any
+formats; every block size listed is timed, default 32 and 64). Each
+variant's correctness against the reference is checked first; the entry of
+a mix holds one result per variant (key "old", "new32", "new64") and each
+result's speedup over bf16; "new_over_old" compares the best of each.
 
 Every row holds N private tokens per kv head: in bf16 pages, or in
 quantized pages (one empty full-precision page per head, as a TBQ request
@@ -10,8 +18,8 @@ holds between two groups) of the mix R4E4T2 gives (about 2/3 NVFP4, 1/3
 ternary: `--ternary-share`), all NVFP4, or all ternary. First a correctness
 check of the kernel against the PyTorch reference on the pages dequantized
 (kv_formats), then CUDA-event medians of the kernel alone and with thinkv's
-observations (sparsity; 4 and 8 warps tried on quantized pages), at R1-Distill-Qwen-7B (28 query / 4 kv heads) and
-Llama-3.1-8B (32 / 8) shapes, head_dim 128, batch 64-512, 1K-16K tokens per
+observations (sparsity; 4 and 8 warps tried on quantized pages), at
+R1-Distill-Qwen-7B (28 query / 4 kv heads) and Llama-3.1-8B (32 / 8) shapes, head_dim 128, batch 64-512, 1K-16K tokens per
 row; speedup = bf16 time / quantized time, and the bytes each reads.
 Writes OUT_DIR/gpu-kernels-tbq.json after every case.
 """
@@ -117,17 +125,32 @@ def run_bf16(query, empty, pm, table, needs=Need.NONE):
                             pm.k, pm.v, pm.valid, table, D ** -0.5, needs, region_vnorm=pm.vnorm)
 
 
-def run_quant(query, empty, qm, table, needs=Need.NONE, warps=4):
+def run_quant(query, empty, qm, table, needs=Need.NONE, warps=4, variant="new", block=32):
     return decode_attention(query, empty["pool_k"], empty["pool_v"], empty["prefix_slots"], empty["prefix_len"],
                             qm.k, qm.v, qm.valid, table, D ** -0.5, needs, region_vnorm=qm.vnorm, quant=qm.quant,
-                            formats=qm.format, num_warps=warps)
+                            formats=qm.format, num_warps=warps, variant=variant, block=block)
 
 
-def correctness(device) -> dict:
+def variants_of(argv) -> dict:
+    """Result key -> (variant, block) of the quantized paths to time."""
+    names = argv[argv.index("--variant") + 1].split(",") if "--variant" in argv else ["old", "new"]
+    blocks = [int(b) for b in argv[argv.index("--blocks") + 1].split(",")] if "--blocks" in argv else [32, 64]
+    out = {}
+    for name in names:
+        if name == "old":
+            out["old"] = ("old", PAGE)
+        elif name == "new":
+            out.update({f"new{b}": ("new", b) for b in blocks})
+        else:
+            raise SystemExit(f"unknown variant {name!r} (old, new)")
+    return out
+
+
+def correctness(device, variant="new", block=32) -> dict:
     R, (Hq, Hkv), N = 2, SHAPES["r1-distill-qwen-7b"], 256
     query, empty, _, (qm, table), _ = build(R, Hq, Hkv, N, 1 / 3, device, seed=3, real_codes=True)
     needs = Need.SPARSITY | Need.ATTENTION
-    out, obs = run_quant(query, empty, qm, table, needs)
+    out, obs = run_quant(query, empty, qm, table, needs, variant=variant, block=block)
     k, v = qm.kv_of(table)
     S = table.shape[2] * PAGE
     ref, ref_obs = attention_ref.attend_rows(
@@ -137,6 +160,20 @@ def correctness(device) -> dict:
     return {"max_abs_err_out": float((out.float() - ref[:, 0]).abs().max()),
             "max_abs_err_attention": float((obs.attention - ref_obs.attention).abs().max()),
             "max_abs_err_sparsity": float((obs.sparsity - ref_obs.sparsity).abs().max())}
+
+
+def time_quant(median_ms, query, empty, quant, variant, block, entry) -> dict:
+    """Median times of one quantized path (the faster warp count), alone and
+    with sparsity, and its speedups over bf16."""
+    by_warps = {w: median_ms(lambda: run_quant(query, empty, *quant, warps=w, variant=variant, block=block))
+                for w in WARPS}
+    warps = min(by_warps, key=by_warps.get)
+    ms = by_warps[warps]
+    ms_obs = median_ms(lambda: run_quant(query, empty, *quant, needs=Need.SPARSITY, warps=warps, variant=variant,
+                                         block=block))
+    return {"ms": round(ms, 4), "ms_by_warps": {w: round(t, 4) for w, t in by_warps.items()}, "warps": warps,
+            "sparsity_ms": round(ms_obs, 4), "speedup": round(entry["bf16_ms"] / ms, 2),
+            "speedup_with_sparsity": round(entry["bf16_sparsity_ms"] / ms_obs, 2)}
 
 
 def main() -> None:
@@ -158,9 +195,16 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
-    results["correctness"] = correctness(device)
+    variants = variants_of(sys.argv)
+    results["variants"] = {key: {"variant": v, "block": b} for key, (v, b) in variants.items()}
+    results["correctness"] = {key: correctness(device, v, b) for key, (v, b) in variants.items()}
     print("correctness", json.dumps(results["correctness"]), flush=True)
     save()
+    bad = {key: c for key, c in results["correctness"].items() if c["max_abs_err_out"] > 2e-2}
+    if bad:  # on the GPU the timings still come (the bytes read are the same); on CPU this is the check
+        print("WRONG: quantized path differs from the reference:", json.dumps(bad), flush=True)
+        if cpu:
+            raise SystemExit(1)
     shapes = {"r1-distill-qwen-7b": SHAPES["r1-distill-qwen-7b"]} if cpu else SHAPES
     batches = [2] if cpu else (BATCHES[:2] if quick else BATCHES)
     tokens = [64] if cpu else (TOKENS[:2] if quick else TOKENS)
@@ -180,14 +224,13 @@ def main() -> None:
                         entry["bf16_ms"] = round(median_ms(lambda: run_bf16(query, empty, *bf)), 4)
                         entry["bf16_sparsity_ms"] = round(
                             median_ms(lambda: run_bf16(query, empty, *bf, needs=Need.SPARSITY)), 4)
-                    by_warps = {w: median_ms(lambda: run_quant(query, empty, *quant, warps=w)) for w in WARPS}
-                    warps = min(by_warps, key=by_warps.get)
-                    ms = by_warps[warps]
-                    ms_obs = median_ms(lambda: run_quant(query, empty, *quant, needs=Need.SPARSITY, warps=warps))
-                    entry[mix] = {"ms": round(ms, 4), "ms_by_warps": {w: round(t, 4) for w, t in by_warps.items()},
-                                  "warps": warps, "sparsity_ms": round(ms_obs, 4),
-                                  "speedup": round(entry["bf16_ms"] / ms, 2),
-                                  "speedup_with_sparsity": round(entry["bf16_sparsity_ms"] / ms_obs, 2)}
+                    entry[mix] = {}
+                    for key, (variant, block) in variants.items():
+                        entry[mix][key] = time_quant(median_ms, query, empty, quant, variant, block, entry)
+                    best = {v: min((r["ms"] for k, r in entry[mix].items() if variants[k][0] == v), default=None)
+                            for v in ("old", "new")}
+                    if best["old"] and best["new"]:
+                        entry[mix]["new_over_old"] = round(best["old"] / best["new"], 2)
                     del query, empty, bf, quant
                     if device == "cuda":
                         torch.cuda.empty_cache()

@@ -92,36 +92,228 @@ def _quantized_page(Codes, Scale, PageScale, row, off, fmt, d, sq_c, sq_o, ss_r,
 
 
 @triton.jit
+def _e4m3_fp16(bits):
+    """FP8 E4M3 bits (int32, 0..255) as FP16 holding the value / 256: the
+    exponent and mantissa bits shifted into FP16's fields give it exactly,
+    subnormals included (two shifts and masks, no exp2)."""
+    return (((bits & 127) << 7) | ((bits & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _spread_ternary(t):
+    """16-bit words of ternary codes (int32; eight 2-bit codes, code i at
+    bits 2i) as 32-bit words of eight E2M1 nibbles (nibble i at bits 4i),
+    NVFP4's layout: code bit 0 (nonzero) becomes 1.0's exponent bit, bit 1
+    the sign; so 01 -> +1.0, 11 -> -1.0, 10 -> -0. Ten operations per
+    eight codes."""
+    x = (t | (t << 8)) & 0x00FF00FF
+    x = (x | (x << 4)) & 0x0F0F0F0F
+    x = (x | (x << 2)) & 0x33333333
+    return ((x & 0x11111111) << 1) | ((x & 0x22222222) << 2)
+
+
+@triton.jit
+def _nibble_pair(w, i: tl.constexpr):
+    """Nibbles i and i + 4 of 32-bit words w (int32) as FP16 bits in the low
+    and high half of one int32 (two elements per operation): each FP16 holds
+    the E2M1 value / 2^14, the three magnitude bits landing in FP16's
+    exponent and top mantissa bit (0.5 as a subnormal), the fourth in the
+    sign. Returns the two halves as FP16."""
+    if i == 3:
+        mag = (w >> 3) & 0x0E000E00
+    else:
+        mag = (w << (9 - 4 * i)) & 0x0E000E00
+    h = mag | ((w << (12 - 4 * i)) & -2147450880)  # 0x80008000 as an int32
+    lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _packed_tile(Halves, Words, row, off, nv, tern, sh_c, sh_o, sw_c, sw_o, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Codes of BLOCK slots in NVFP4 (`nv`) or ternary (`tern`) as [BLOCK, D]
+    FP16 (E2M1 value / 2^14; 0 where neither). Each slot's bytes are read
+    once, as 32-bit words of eight elements: NVFP4 words (`Words`, an int32
+    view of the codes), ternary 16-bit words (`Halves`, an int16 view)
+    spread to the same nibble layout, so one decode serves both formats and
+    a block may mix them."""
+    j = tl.arange(0, D // 8)
+    w = tl.load((Words + row * sw_c + off * sw_o)[:, None] + j[None, :], mask=nv[:, None], other=0)
+    t = tl.load((Halves + row * sh_c + off * sh_o)[:, None] + j[None, :], mask=tern[:, None], other=0)
+    w = w | _spread_ternary(t.to(tl.int32) & 0xFFFF)
+    lo0, hi0 = _nibble_pair(w, 0)
+    lo1, hi1 = _nibble_pair(w, 1)
+    lo2, hi2 = _nibble_pair(w, 2)
+    lo3, hi3 = _nibble_pair(w, 3)
+    # [.., j, half, i // 2, i % 2]: element 8j + 4 half + i.
+    x = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
+    return tl.reshape(x, [BLOCK, D])
+
+
+@triton.jit
+def _fp8_tile(Codes, row, off, fp8, sq_c, sq_o, D: tl.constexpr):
+    """FP8 slots' codes as [BLOCK, D] float32 / 256 (0 for the others)."""
+    d = tl.arange(0, D)
+    b = tl.load((Codes + row * sq_c + off * sq_o)[:, None] + d[None, :], mask=fp8[:, None], other=0)
+    return _e4m3_fp16(b.to(tl.int32)).to(tl.float32)  # / 256: folded into the page scale
+
+
+@triton.jit
 def _scores(q, k, seen, scale):
     qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [G_PAD, BLOCK]
     return tl.where(seen[None, :], qk, float("-inf"))
 
 
 @triton.jit
-def _accumulate(qk, v, m, l, acc, n, hq, g_ok, keep, Logits, BlockMax, r, slg_r, slg_h, sbm_r, sbm_h,
-                BLOCK: tl.constexpr, STORE: tl.constexpr):
-    """Online softmax over one block; with STORE, the block's fp16 logits
-    relative to its running max (<= 0: fp16 keeps them to ~1e-3 where the
-    probability matters) and that max, for the observations."""
+def _softmax_block(qk, m, n, hq, g_ok, keep, Logits, BlockMax, r, slg_r, slg_h, sbm_r, sbm_h,
+                   BLOCK: tl.constexpr, STORE: tl.constexpr):
+    """Online-softmax step of one block: the new running max, the factor of
+    the old terms and the block's probabilities; with STORE, the block's
+    fp16 logits relative to its running max (<= 0: fp16 keeps them to
+    ~1e-3 where the probability matters) and that max, for the
+    observations."""
     m_new = tl.maximum(m, tl.max(qk, 1))
     if STORE:
         tl.store(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :], (qk - m_new[:, None]).to(tl.float16),
                  mask=g_ok[:, None] & keep[None, :])
         tl.store(BlockMax + r * sbm_r + hq * sbm_h + tl.min(n, 0) // BLOCK, m_new, mask=g_ok)
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(qk - m_new[:, None])
+    return m_new, tl.exp(m - m_new), tl.exp(qk - m_new[:, None])
+
+
+@triton.jit
+def _accumulate(qk, v, m, l, acc, n, hq, g_ok, keep, Logits, BlockMax, r, slg_r, slg_h, sbm_r, sbm_h,
+                BLOCK: tl.constexpr, STORE: tl.constexpr):
+    """Online softmax over one block (`_softmax_block`), values added."""
+    m_new, alpha, p = _softmax_block(qk, m, n, hq, g_ok, keep, Logits, BlockMax, r, slg_r, slg_h, sbm_r, sbm_h,
+                                     BLOCK, STORE)
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
     return m_new, l, acc
 
 
 @triton.jit
+def _page_kinds(Table, r, h, st_r, st_h, first, end, P_pad, null_page, PAGE: tl.constexpr):
+    """Whether the region's keys [first, end) lie in full-precision pages
+    (int32 0/1) and whether in quantized ones: a program picks its loop once
+    (a TBQ row's full page is its first column, so most of its splits hold
+    quantized pages only; rows without TBQ hold full pages only)."""
+    full = tl.full([], 0, tl.int32)
+    quant = tl.full([], 0, tl.int32)
+    for p0 in range((first - P_pad) // PAGE, tl.cdiv(end - P_pad, PAGE), 64):
+        p = p0 + tl.arange(0, 64)
+        page = tl.load(Table + r * st_r + h * st_h + p, mask=p * PAGE < end - P_pad, other=null_page)
+        full = tl.maximum(full, tl.max((page < null_page).to(tl.int32), 0))
+        quant = tl.maximum(quant, tl.max((page > null_page).to(tl.int32), 0))
+    return full, quant
+
+
+@triton.jit
+def _full_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scale, Table, Valid, RegK, RegV,
+                 Logits, BlockMax, srk_p, srk_o, srv_p, srv_o, sva_p, st_r, st_h, slg_r, slg_h, sbm_r, sbm_h,
+                 D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr):
+    """The region's keys [first, end) over full-precision pages only."""
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    for n0 in range(first, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        in_region = n < end
+        s = n - P_pad
+        page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
+        off = s % PAGE
+        seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
+        k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None], other=0.0)
+        v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None], other=0.0)
+        m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, in_region, Logits, BlockMax,
+                                r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE)
+    return m, l, acc
+
+
+@triton.jit
+def _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scale,
+                Table, Valid, Format, RegK, RegV, QK, QKW, QKH, QV, QVW, QVH, QKScale, QVScale, QPageScale, Logits,
+                BlockMax, sq_c, sq_o, sw_c, sw_o, sh_c, sh_o, sqks_r, sqvs_r, sqvs_o, srk_p, srk_o, srv_p, srv_o, sva_p,
+                st_r, st_h, slg_r, slg_h, sbm_r, sbm_h,
+                D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr,
+                HAS_FP8: tl.constexpr, FULL: tl.constexpr):
+    """The region's keys [first, end) over quantized pages (and, with FULL,
+    full-precision ones), BLOCK slots (BLOCK / PAGE pages) per trip with no
+    branch on the data: each slot's loads are masked by its page's kind and
+    format (full, NVFP4, ternary, FP8), so a block mixes them and the loop
+    is one straight body the compiler can pipeline. Page scales scale the
+    logits (keys) and the probabilities (values) per slot instead of every
+    element; the keys' channel scales are decoded once per page."""
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    PAGES: tl.constexpr = BLOCK // PAGE
+    for n0 in range(first, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        in_region = n < end
+        s = n - P_pad
+        page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
+        off = s % PAGE
+        seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
+        quant = page > null_page  # radix_ext/tbq_store.py: quantized rows follow the null page
+        row = tl.where(quant, page - null_page - 1, 0)
+        fmt = tl.where(quant, tl.load(Format + page, mask=in_region, other=0).to(tl.int32), 0)
+        nv = seen & (fmt == 2)
+        tern = seen & (fmt == 1)
+        fp8 = seen & (fmt == 3)
+        packed = nv | tern
+        # Per page: the keys' E4M3 channel scales (/ 256, as _e4m3_fp16 gives them).
+        first_page = (n0 - P_pad) // PAGE + tl.arange(0, PAGES)
+        ppage = tl.load(Table + r * st_r + h * st_h + first_page, mask=n0 + tl.arange(0, PAGES) * PAGE < end,
+                        other=null_page)
+        pfmt = tl.load(Format + ppage).to(tl.int32)
+        prow = tl.where(ppage > null_page, ppage - null_page - 1, 0)
+        ks = tl.load(QKScale + prow[:, None] * sqks_r + d[None, :],
+                     mask=((ppage > null_page) & ((pfmt == 1) | (pfmt == 2)))[:, None], other=0)
+        ks = _e4m3_fp16(ks.to(tl.int32)).to(tl.float32)
+        kx = _packed_tile(QKH, QKW, row, off, nv, tern, sh_c, sh_o, sw_c, sw_o, BLOCK, D).to(tl.float32)
+        kx = tl.reshape(tl.reshape(kx, [PAGES, PAGE, D]) * ks[:, None, :], [BLOCK, D])
+        if HAS_FP8:
+            kx = tl.where(fp8[:, None], _fp8_tile(QK, row, off, fp8, sq_c, sq_o, D), kx)
+        if FULL:
+            kf = tl.load((RegK + page * srk_p + off * srk_o)[:, None] + d[None, :], mask=(seen & ~quant)[:, None],
+                         other=0.0)
+            k = tl.where(quant[:, None], kx.to(q.dtype), kf)
+        else:
+            k = kx.to(q.dtype)
+        # Per slot: the FP32 page scales (1 on full pages), times what the FP16 decodes left out: 2^8 for
+        # E4M3 (FP8 codes, group scales) and 2^14 for E2M1.
+        unit = tl.where(fp8, 256.0, tl.where(packed, 4194304.0, 1.0))
+        kcol = tl.load(QPageScale + row * 2, mask=seen & quant, other=1.0) * unit
+        vcol = tl.load(QPageScale + row * 2 + 1, mask=seen & quant, other=1.0) * unit
+        qk = tl.dot(q, tl.trans(k)).to(tl.float32) * (kcol * scale)[None, :]
+        qk = tl.where(seen[None, :], qk, float("-inf"))
+        # Values: an E4M3 scale per 16 channels of a slot.
+        vs = tl.load((QVScale + row * sqvs_r + off * sqvs_o)[:, None] + tl.arange(0, DV // 16)[None, :],
+                     mask=packed[:, None], other=0)
+        vs = _e4m3_fp16(vs.to(tl.int32)).to(tl.float32)
+        vx = _packed_tile(QVH, QVW, row, off, nv, tern, sh_c, sh_o, sw_c, sw_o, BLOCK, DV).to(tl.float32)
+        vx = tl.reshape(tl.reshape(vx, [BLOCK, DV // 16, 16]) * vs[:, :, None], [BLOCK, DV])
+        if HAS_FP8:
+            vx = tl.where(fp8[:, None], _fp8_tile(QV, row, off, fp8, sq_c, sq_o, DV), vx)
+        if FULL:
+            vf = tl.load((RegV + page * srv_p + off * srv_o)[:, None] + dv[None, :], mask=(seen & ~quant)[:, None],
+                         other=0.0)
+            v = tl.where(quant[:, None], vx.to(vf.dtype), vf)
+        else:
+            v = vx.to(RegV.dtype.element_ty)
+        m_new, alpha, p = _softmax_block(qk, m, n, hq, g_ok, in_region, Logits, BlockMax, r, slg_r, slg_h, sbm_r,
+                                         sbm_h, BLOCK, STORE)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot((p * vcol[None, :]).to(v.dtype), v).to(tl.float32)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
     PartO, PartM, PartL, Logits, BlockMax,
-    Format, QK, QV, QKScale, QVScale, QPageScale,
+    Format, QK, QV, QKScale, QVScale, QPageScale, QKW, QVW, QKH, QVH,
     scale, P_pad, S, keys_per_split, null_page,
-    sq_c, sq_o, sqks_r, sqvs_r, sqvs_o,
+    sq_c, sq_o, sqks_r, sqvs_r, sqvs_o, sw_c, sw_o, sh_c, sh_o,
     sq_r, sq_h,
     spk_n, spk_h, spv_n, spv_h,
     sps_r, srk_p, srk_o, srv_p, srv_o, sva_p,
@@ -130,13 +322,16 @@ def _partial_kernel(
     slg_r, slg_h, sbm_r, sbm_h,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, HAS_FP8: tl.constexpr,
 ):
     """Grid (rows, kv heads, splits): one split of one row's keys for the G
     query heads of one kv head; partial output, max and sum per query head.
     Keys: [0, P_pad) the prefix (padded to whole blocks), then [P_pad,
     P_pad + S) the region; a block is all prefix or all region, so each part
-    has a loop of its own with only its loads."""
+    has a loop of its own with only its loads. QUANT: 0 full-precision
+    pages only; 1 quantized pages too, a block being one page with a branch
+    on its format (the "old" variant); 2 quantized pages too, blocks of
+    several pages of any formats (`_tbq_region`)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,34 +355,54 @@ def _partial_kernel(
         v = tl.load(PoolV + slot[:, None] * spv_n + h * spv_h + dv[None, :], mask=seen[:, None], other=0.0)
         m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, n < P_pad, Logits, BlockMax,
                                 r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_PREFIX_LOGITS)
-    for n0 in range(tl.maximum(start, P_pad), end, BLOCK):  # the private slots, in region pages
-        n = n0 + tl.arange(0, BLOCK)
-        in_region = n < end
-        s = n - P_pad
-        page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
-        off = s % PAGE
-        seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
-        if QUANT:  # a block is one page; pages past the null page are quantized (radix_ext/tbq_store.py)
-            pid = tl.max(page, 0)
-            if pid > null_page:
-                row = pid - null_page - 1
-                fmt = tl.load(Format + pid).to(tl.int32)
-                k = _quantized_page(QK, QKScale, QPageScale, row, off, fmt, d, sq_c, sq_o, sqks_r, 0, seen,
-                                    True).to(q.dtype)
-                v = _quantized_page(QV, QVScale, QPageScale + 1, row, off, fmt, dv, sq_c, sq_o, sqvs_r, sqvs_o, seen,
-                                    False).to(RegV.dtype.element_ty)
+    if QUANT == 2:  # one of three loops per program, by the kinds of pages its keys lie in
+        first = tl.maximum(start, P_pad)
+        full, quant = _page_kinds(Table, r, h, st_r, st_h, first, end, P_pad, null_page, PAGE)
+        if quant == 0:
+            m, l, acc = _full_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scale, Table, Valid,
+                                     RegK, RegV, Logits, BlockMax, srk_p, srk_o, srv_p, srv_o, sva_p, st_r, st_h,
+                                     slg_r, slg_h, sbm_r, sbm_h, D, DV, PAGE, BLOCK, STORE_REGION_LOGITS)
+        elif full == 0:
+            m, l, acc = _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scale, Table, Valid,
+                                    Format, RegK, RegV, QK, QKW, QKH, QV, QVW, QVH, QKScale, QVScale, QPageScale,
+                                    Logits, BlockMax, sq_c, sq_o, sw_c, sw_o, sh_c, sh_o, sqks_r, sqvs_r, sqvs_o,
+                                    srk_p, srk_o, srv_p, srv_o, sva_p, st_r, st_h, slg_r, slg_h, sbm_r, sbm_h, D, DV,
+                                    PAGE, BLOCK, STORE_REGION_LOGITS, HAS_FP8, False)
+        else:
+            m, l, acc = _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scale, Table, Valid,
+                                    Format, RegK, RegV, QK, QKW, QKH, QV, QVW, QVH, QKScale, QVScale, QPageScale,
+                                    Logits, BlockMax, sq_c, sq_o, sw_c, sw_o, sh_c, sh_o, sqks_r, sqvs_r, sqvs_o,
+                                    srk_p, srk_o, srv_p, srv_o, sva_p, st_r, st_h, slg_r, slg_h, sbm_r, sbm_h, D, DV,
+                                    PAGE, BLOCK, STORE_REGION_LOGITS, HAS_FP8, True)
+    else:
+        for n0 in range(tl.maximum(start, P_pad), end, BLOCK):  # the private slots, in region pages
+            n = n0 + tl.arange(0, BLOCK)
+            in_region = n < end
+            s = n - P_pad
+            page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=in_region, other=null_page)
+            off = s % PAGE
+            seen = in_region & (tl.load(Valid + page * sva_p + off, mask=in_region, other=0) != 0)
+            if QUANT == 1:  # a block is one page; pages past the null page are quantized (radix_ext/tbq_store.py)
+                pid = tl.max(page, 0)
+                if pid > null_page:
+                    row = pid - null_page - 1
+                    fmt = tl.load(Format + pid).to(tl.int32)
+                    k = _quantized_page(QK, QKScale, QPageScale, row, off, fmt, d, sq_c, sq_o, sqks_r, 0, seen,
+                                        True).to(q.dtype)
+                    v = _quantized_page(QV, QVScale, QPageScale + 1, row, off, fmt, dv, sq_c, sq_o, sqvs_r, sqvs_o,
+                                        seen, False).to(RegV.dtype.element_ty)
+                else:
+                    k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None],
+                                other=0.0)
+                    v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
+                                other=0.0)
             else:
                 k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None],
                             other=0.0)
                 v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
                             other=0.0)
-        else:
-            k = tl.load(RegK + page[:, None] * srk_p + off[:, None] * srk_o + d[None, :], mask=seen[:, None],
-                        other=0.0)
-            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :], mask=seen[:, None],
-                        other=0.0)
-        m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, in_region, Logits, BlockMax,
-                                r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_REGION_LOGITS)
+            m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, in_region, Logits,
+                                    BlockMax, r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_REGION_LOGITS)
     tl.store(PartO + r * spo_r + hq[:, None] * spo_h + split * spo_s + dv[None, :], acc, mask=g_ok[:, None])
     tl.store(PartM + r * spm_r + hq * spm_h + split, m, mask=g_ok)
     tl.store(PartL + r * spm_r + hq * spm_h + split, l, mask=g_ok)
@@ -286,7 +501,8 @@ def default_splits(keys: int) -> int:
 
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
                      needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
-                     block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None):
+                     block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None,
+                     variant: str = "new"):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
@@ -297,8 +513,11 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     page_size] fp32 ||v||_1 per slot if the region keeps it (else PV_NORM
     reads V). With quantized pages (`quant`, a tbq_store.QuantPool, and
     `formats` [pages] the page formats), page ids past the null page are
-    read from `quant` at their format, one page per key block (`block` is
-    the page size); region_vnorm is then required. Observations as
+    read from `quant` at their format; region_vnorm is then required.
+    `variant` picks the quantized path: "new" (blocks of `block` slots, a
+    multiple of the page size, pages of any formats mixed) or "old" (one
+    page per block, a branch on its format; kept for A/B timings in
+    bench/tbq_kernel.py). Observations as
     attention_ref.attend_rows gives them:
     attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq]."""
     R, Hq, D = q.shape
@@ -309,8 +528,13 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     PAGE = region_k.shape[1]
     S = table.shape[2] * PAGE
     dev = q.device
-    if quant is not None:
+    if quant is not None and variant == "old":
         block = PAGE  # one page per block: one format per block, decoded alone
+    elif quant is not None:
+        if variant != "new":
+            raise ValueError(f"unknown variant {variant!r}")
+        pages = max(1, block // PAGE)
+        block = PAGE * (1 << (pages.bit_length() - 1))  # whole pages, a power of two of them
     P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
     keys = P_pad + S
     splits = num_splits or default_splits(keys)
@@ -331,18 +555,21 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     valid = region_valid.view(torch.uint8) if region_valid.dtype == torch.bool else region_valid
     null_page = region_k.shape[0] - 1
     G_PAD = max(16, triton.next_power_of_2(G))
-    if quant is None:  # placeholders: QUANT=False never reads them
-        qk = qv = qks = qvs = qps = fmt = valid
-        sq = (0, 0, 0, 0, 0)
+    if quant is None:  # placeholders: QUANT=0 never reads them
+        qk = qv = qks = qvs = qps = fmt = qkw = qvw = qkh = qvh = valid
+        sq = (0,) * 9
     else:
         if region_obs and region_vnorm is None:
             raise ValueError("quantized pages need region_vnorm for PV_NORM")
         qk, qv, qks, qvs, qps, fmt = quant.k_codes, quant.v_codes, quant.k_scale, quant.v_scale, quant.page_scale, formats
-        sq = (qk.stride(0), qk.stride(1), qks.stride(0), qvs.stride(0), qvs.stride(1))
+        # The same bytes as words of eight elements: int32 (NVFP4) and int16 (ternary).
+        qkw, qvw, qkh, qvh = qk.view(torch.int32), qv.view(torch.int32), qk.view(torch.int16), qv.view(torch.int16)
+        sq = (qk.stride(0), qk.stride(1), qks.stride(0), qvs.stride(0), qvs.stride(1), qkw.stride(0), qkw.stride(1),
+              qkh.stride(0), qkh.stride(1))
     _partial_kernel[(R, Hkv, splits)](
         q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table,
         part_o, part_m, part_l, logits, block_max,
-        fmt, qk, qv, qks, qvs, qps,
+        fmt, qk, qv, qks, qvs, qps, qkw, qvw, qkh, qvh,
         scale, P_pad, S, per_split, null_page,
         *sq,
         q.stride(0), q.stride(1),
@@ -352,7 +579,9 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         logits.stride(0), logits.stride(1), block_max.stride(0), block_max.stride(1),
         G=G, G_PAD=G_PAD, D=D, DV=DV, PAGE=PAGE, BLOCK=block,
-        STORE_REGION_LOGITS=region_obs, STORE_PREFIX_LOGITS=sparsity, QUANT=quant is not None,
+        STORE_REGION_LOGITS=observing, STORE_PREFIX_LOGITS=sparsity,
+        QUANT=0 if quant is None else (1 if variant == "old" else 2),
+        HAS_FP8=quant is not None and qk.shape[-1] >= D,  # rows as wide as head_dim: the 8-bit class
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((R, Hq, DV), dtype=q.dtype, device=dev)
