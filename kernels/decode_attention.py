@@ -39,6 +39,11 @@ interpreter_compat.apply()
 
 #: Keys per inner-loop block.
 BLOCK_N = 32
+#: The quantized path serving uses: "old", the one checked and timed on an
+#: H100 (bench/results/gpu-kernels-tbq.json); "new" has run in the Triton
+#: interpreter and compiled for sm_90 only, and becomes the default once one
+#: GPU call has checked and timed it (bench/tbq_kernel.py --variant old,new).
+SERVING_TBQ_VARIANT = "old"
 #: Key blocks one program of the observation kernel reads (fewer, larger programs).
 OBSERVE_BLOCKS_PER_PROGRAM = 8
 #: ln(SPARSITY_THRESHOLD): a probability below threshold x the row max has a
@@ -502,7 +507,7 @@ def default_splits(keys: int) -> int:
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
                      needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
                      block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None,
-                     variant: str = "new"):
+                     variant: str = SERVING_TBQ_VARIANT):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
