@@ -4,7 +4,7 @@
         [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]
         [--kv-tokens 786432] [--max-running 512] [--tail 192]
         [--parts machine,vanilla,kvsieve] [--check-prompt 2048] [--policy-params '{"crystal_kv": {...}}']
-        [--temperatures 0,0.7] [--tbq 1]
+        [--temperatures 0,0.7] [--tbq 1] [--tp 2]
 
 R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
 KV memory (--kv-tokens tokens of bf16 K and V). Generating G tokens is
@@ -44,6 +44,11 @@ more rows fit; run it with `--policies thinkv` (other policies would find
 only the few bf16 pages). Without it the region holds bf16 pages only and
 thinkv runs without TBQ (its kv_usage says `tbq: false`); pass
 `--policy-params '{"thinkv": {"tbq": false}}'` to make that explicit.
+
+`--tp N` runs both engines with N tensor-parallel ranks (SGLang's tp_size)
+at the same total KV memory: the token pool holds the same tokens (each
+rank its share of the heads) and the region's pages are split over the
+ranks (KVSIEVE_REGION_PAGES is per rank). The roofline stays one GPU's.
 
 With the defaults, one command runs the whole benchmark (about 25 minutes
 on an H100). Under the device tool's 10-minute calls, run it in parts
@@ -86,7 +91,7 @@ def options() -> dict:
             "policy_params": json.loads(opts.get("--policy-params", "{}")),
             # kvsieve points at each temperature (0: greedy; SGLang's sampler then skips its vocabulary sort)
             "temperatures": [float(t) for t in opts.get("--temperatures", "0").split(",")],
-            "tbq": opts.get("--tbq", "0") == "1", "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
+            "tbq": opts.get("--tbq", "0") == "1", "tp": int(opts.get("--tp", 1)), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
 
 
 VOCAB_IDS = (1000, 100000)  # random prompt ids are drawn here (set from the model's vocab in main)
@@ -279,7 +284,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     common = dict(model_path=model, load_format="dummy", skip_tokenizer_init=True, sampling_backend="pytorch",
-                  log_level="warning", mem_fraction_static=0.85, stream_interval=STREAM_INTERVAL)
+                  log_level="warning", mem_fraction_static=0.85, stream_interval=STREAM_INTERVAL,
+                  tp_size=cfg["tp"])
     vanilla_backend = "triton"
     graphs = dict(cuda_graph_max_bs_decode=128)  # vanilla batches and the `full` check stay below 128
     if not torch.cuda.is_available():  # a CPU smoke run of this script's logic on a tiny model
@@ -316,8 +322,9 @@ def main() -> None:
         quant_pages = 0
         if cfg["tbq"]:
             region_pages, quant_pages = tbq_full_pages, tbq_quant_pages
-        os.environ["KVSIEVE_REGION_PAGES"] = str(region_pages)
-        os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(quant_pages)
+        # Per rank: each holds its share of the kv heads' pages.
+        os.environ["KVSIEVE_REGION_PAGES"] = str(region_pages // cfg["tp"])
+        os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(quant_pages // cfg["tp"])
         results["kvsieve_memory"] = {"pool_tokens": pool_tokens, "region_pages": region_pages, "page_size": PAGE,
                                      "quantized_pages": quant_pages}
         started = time.perf_counter()
