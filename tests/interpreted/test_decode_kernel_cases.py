@@ -124,3 +124,27 @@ def test_a_kept_value_norm_replaces_reading_values(kernel):
 
 def test_default_splits_scale_with_the_keys(kernel):
     assert [kernel.default_splits(n) for n in (1, 512, 513, 4096, 1 << 20)] == [1, 1, 2, 8, 16]
+
+
+@pytest.mark.parametrize("R,Hq,Hkv,D,P,M,page,splits,lengths", CASES)
+def test_sparsity_alone_reads_logits_the_kernel_wrote(kernel, R, Hq, Hkv, D, P, M, page, splits, lengths):
+    """ThinKV asks for SPARSITY without ATTENTION: the region's logits must
+    still be stored for the observation pass (they were not, and it read
+    whatever the buffer held). The buffer is poisoned first, so a pass that
+    reads logits nobody wrote cannot match the reference by luck."""
+    case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=R * 100 + P + 1, lengths=lengths)
+    scale = D ** -0.5
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, **kw):
+        t = real_empty(*shape, dtype=dtype, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned_empty
+    try:
+        _, obs = kernel.decode_attention(**case, scale=scale, needs=Need.SPARSITY, num_splits=splits, block=16)
+    finally:
+        torch.empty = real_empty
+    _, ref = reference(case, scale, Need.SPARSITY)
+    assert obs.attention is None and obs.pv_norm is None
+    torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=0.02, rtol=0)
