@@ -132,7 +132,7 @@ def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
                          if c["policy"] == policy and c["budget"] != "ref" and c.get("kv_fraction") is not None)
             if pts:
                 ax.plot(*zip(*pts), marker=marker, color=color, label=policy, lw=1.2, ms=5, alpha=0.85)
-        ax.set_xscale("log")
+        _percent_log_axis(ax)
         ax.set_xlabel("KV held at the end / full run's KV (log)")
         ax.set_ylabel("accuracy")
         ax.set_ylim(-0.03, 1.03)
@@ -144,6 +144,18 @@ def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _percent_log_axis(ax) -> None:
+    """A log x axis of KV fractions labelled in percent, minor labels off:
+    over less than a decade matplotlib labels every minor tick in
+    scientific notation and they run into each other."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{100 * x:g}%"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_fidelity(cells: list[dict], meta: dict, out: Path) -> None:
@@ -180,7 +192,7 @@ def plot_fidelity(cells: list[dict], meta: dict, out: Path) -> None:
         axes[1][j].set_ylabel("agreement")
         axes[1][j].set_ylim(-0.03, 1.03)
         for ax in (axes[0][j], axes[1][j]):
-            ax.set_xscale("log")
+            _percent_log_axis(ax)
             ax.set_xlabel("KV held at the end / full run's KV (log)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
