@@ -7,6 +7,7 @@ open (probes and scrapers carry no key).
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Optional
 
 from fastapi.responses import JSONResponse
@@ -18,6 +19,16 @@ from .errors import APIError
 from .metrics import GUARD_REJECTIONS
 from .ratelimit import RateLimiter, rate_limiter_for
 from .store import open_store
+
+
+def _receive_cancelled_errors() -> tuple:
+    """What an ASGI receive() raises when the client has gone, besides
+    returning http.disconnect: Ray Serve's ingress cancels its receive task
+    and the await raises TaskCancelledError (a traceback per disconnect
+    otherwise). Only where this process runs under Ray (no Ray import for a
+    single-process server)."""
+    exceptions = sys.modules.get("ray.exceptions")
+    return (exceptions.TaskCancelledError,) if exceptions is not None else ()
 from .store_cache import StoreMirror
 
 logger = logging.getLogger(__name__)
@@ -87,6 +98,7 @@ class GuardMiddleware:
     def __init__(self, app, guards: Guards):
         self.app = app
         self.guards = guards
+        self.receive_cancelled = _receive_cancelled_errors()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -105,7 +117,10 @@ class GuardMiddleware:
 
         async def limited_receive():
             nonlocal seen
-            message = await receive()
+            try:
+                message = await receive()
+            except self.receive_cancelled:
+                return {"type": "http.disconnect"}  # the client is gone: say so the ASGI way
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:  # chunked uploads carry no content-length

@@ -220,14 +220,18 @@ def test_api_and_metrics_per_replica(ray_service):
 
 def test_replica_killed_mid_load(ray_service):
     s = ray_service
-    # Long enough that both replicas are still generating when one is killed.
-    body = {"prompt": "wait let me verify", "max_tokens": 500, "ignore_eos": True}
+    # Long enough that both replicas are still generating when one is
+    # killed. Prefix routing sends a shared prompt to one replica until it
+    # holds 4 more than the other, judged by queue lengths that lag requests
+    # sent all at once: so each stream has a prompt of its own and starts
+    # once the one before it streams, and both replicas get some.
     outs = [{} for _ in range(8)]
     started = [threading.Event() for _ in outs]
-    threads = [threading.Thread(target=_stream, args=(s, body, o, e)) for o, e in zip(outs, started)]
-    for t in threads:
+    threads = [threading.Thread(target=_stream, args=(s, {"prompt": f"wait let me verify step {i}", "max_tokens": 1500,
+                                                          "ignore_eos": True}, o, e))
+               for i, (o, e) in enumerate(zip(outs, started))]
+    for t, e in zip(threads, started):
         t.start()
-    for e in started:
         assert e.wait(timeout=300), outs
     victims = engine_replica_procs(psutil.Process(s.proc.pid))
     assert len(victims) == 2
