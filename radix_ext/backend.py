@@ -37,7 +37,8 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import head_parallel, layer0_probe, region_graphs, tbq_store
+from . import forward_graphs, head_parallel, layer0_probe, region_graphs, tbq_store
+from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
 from .region_graphs import RegionGraphs
@@ -96,7 +97,14 @@ class KvsieveAttnBackend(AttentionBackend):
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
         #: Not under tensor parallelism: LongFlow's and ThinKV's collectives
         #: have not been captured in a graph and checked on a multi-GPU host.
-        self.graphs = RegionGraphs() if region_graphs.enabled(self.device) and head_parallel.SHARDS.size == 1 else None
+        self.graphs = (RegionGraphs(rerun=region_graphs.mode() == "rerun")
+                       if region_graphs.enabled(self.device) and head_parallel.SHARDS.size == 1 else None)
+        #: The whole decoder stack of all-compressed decode steps, replayed on
+        #: top of the region graphs' entries (KVSIEVE_FORWARD_GRAPHS=0 turns it off).
+        self.forward_graphs = None
+        decoder = forward_graphs.decoder_of(model_runner.model)
+        if self.graphs is not None and forward_graphs.enabled() and decoder is not None:
+            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num)
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
@@ -143,6 +151,8 @@ class KvsieveAttnBackend(AttentionBackend):
                 self.graphs.begin_step(self.step, needs_keys=bool(self.step.region.needs & Need.KEYS))
             else:
                 self.graphs.current = None
+            if self.forward_graphs is not None:
+                self.forward_graphs.begin_step(self.step, forward_batch.batch_size)
         if self.step is None:
             self.inner.init_forward_metadata(forward_batch)
         elif self.step.pool_batch is not None:
@@ -183,6 +193,15 @@ class KvsieveAttnBackend(AttentionBackend):
         return o3.flatten(1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        captured = self.forward_graphs.capturing if self.forward_graphs is not None else None
+        if captured is not None:
+            # The whole decoder stack is being recorded (forward_graphs.py):
+            # every row is a region row, in order, and the pass reads the
+            # entry's static metadata. No pool write: compressed rows' slot is
+            # SGLang's dummy slot 0 (decode_slots.py), never read.
+            q3, k3, v3, o3 = self._shapes(q, k, v, layer)
+            self._decode_region(q3, k3, v3, o3, layer, captured.step)
+            return o3.flatten(1)
         step = self.step
         if step is None or layer.is_cross_attention:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

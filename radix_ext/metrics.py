@@ -138,3 +138,24 @@ POLICY_FALLBACKS = Counter(
     ["policy", "reason"],
     registry=None,
 )
+
+
+GRAPH_CAPTURES = Counter(
+    "kvsieve_decode_graph_captures",
+    "Decode-step shapes captured as CUDA graphs: graph=region (the compressed pass, per layer) "
+    "or forward (the whole decoder stack, radix_ext/forward_graphs.py)",
+    ["graph"],
+)
+GRAPH_REPLAYS = Counter(
+    "kvsieve_decode_graph_replays",
+    "Decode steps of compressed rows replayed from CUDA graphs, by graph (region or forward)",
+    ["graph"],
+)
+
+
+def record_graph_capture(graph: str) -> None:
+    GRAPH_CAPTURES.labels(graph=graph).inc()
+
+
+def record_graph_replay(graph: str) -> None:
+    GRAPH_REPLAYS.labels(graph=graph).inc()

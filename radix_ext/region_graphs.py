@@ -31,14 +31,35 @@ from typing import Optional
 
 import torch
 
+from . import metrics
+
 logger = logging.getLogger(__name__)
 
 #: Shapes kept captured at once (28 graphs each); the least recently used goes.
 MAX_SHAPES = int(os.environ.get("KVSIEVE_REGION_GRAPH_SHAPES", "4"))
 
 
+def mode() -> str:
+    """KVSIEVE_REGION_GRAPHS: "1" (default: CUDA graphs on a GPU), "0" (off),
+    or "rerun": on any device, a "graph" whose replay runs the captured
+    function again on the same static tensors. A replay executes exactly
+    that, so "rerun" puts the host side of the graphs (entries, static
+    metadata, the forward graphs' routing) under test on CPU."""
+    value = os.environ.get("KVSIEVE_REGION_GRAPHS", "1")
+    if value not in ("0", "1", "rerun"):
+        raise ValueError(f"KVSIEVE_REGION_GRAPHS must be 0, 1 or rerun, not {value!r}")
+    return value
+
+
 def enabled(device) -> bool:
-    return torch.device(device).type == "cuda" and os.environ.get("KVSIEVE_REGION_GRAPHS", "1") == "1"
+    return mode() == "rerun" or (mode() == "1" and torch.device(device).type == "cuda")
+
+
+class Rerun:
+    """A recorded pass that replays by running again (KVSIEVE_REGION_GRAPHS=rerun)."""
+
+    def __init__(self, fn):
+        self.replay = fn
 
 
 def step_tensors(step) -> list[torch.Tensor]:
@@ -81,10 +102,12 @@ class _Captured:
     v: Optional[torch.Tensor] = None
     o: Optional[torch.Tensor] = None
     graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
+    forward: object = None  # the whole decoder stack's graph (forward_graphs.ForwardCapture)
 
 
 class RegionGraphs:
-    def __init__(self):
+    def __init__(self, rerun: bool = False):
+        self.rerun = rerun
         self.cache: "OrderedDict[tuple, _Captured]" = OrderedDict()
         self.current: Optional[_Captured] = None
         self.batch_index: Optional[torch.Tensor] = None
@@ -168,15 +191,21 @@ class RegionGraphs:
             static_pass()
             entry.graphs[layer.layer_id] = self.capture(static_pass)
             self.captures += 1
+            if layer.layer_id == 0:
+                metrics.record_graph_capture("region")
         else:
             graph.replay()
             self.replays += 1
+            if layer.layer_id == 0:
+                metrics.record_graph_replay("region")
         o3[idx] = entry.o
         return True
 
     def capture(self, static_pass):
         """Record static_pass (it does not execute) as a CUDA graph whose
         replay() runs it again on the entry's static tensors."""
+        if self.rerun:
+            return Rerun(static_pass)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -1,0 +1,155 @@
+"""CUDA graphs of the model's whole decoder stack, for decode steps whose
+rows are all compressed.
+
+Region graphs (region_graphs.py) replay the compressed pass of each layer,
+but the model's own work around it (embedding, norms, projections, rotary,
+MLP: about a dozen kernels per layer) is still launched from Python every
+step, and so are the copies of q/k/v into each layer's graph and of its
+output back. At the headline's 640 rows that launch work is host time the
+GPU waits for. SGLang's decode graphs cannot run these batches: their
+attention metadata is the token pool's, not ours
+(plugin.graphs_skip_compressed_batches).
+
+So a decode step is replayed whole when:
+* every row of the batch is a compressed row in the region (no `full`
+  rows running SGLang's backend, no rows being aborted), and
+* the step's region-graph entry exists and every layer of it has been
+  captured (its shapes held for at least two steps: region_graphs.py), and
+* nothing in the step runs eagerly by design: no TBQ group flush (its rows
+  change every step), no steered request (its hooks read host state).
+
+Then the decoder stack (`model.model.forward`: embedding through the final
+norm; the logits processor and its token observers stay eager) is captured
+once for that entry, reading its input ids and positions from static
+buffers and the compressed pass from the entry's static step metadata
+(batch_index 0..R-1: the batch's rows are the region rows, in order). The
+capture records, it does not execute; the step then runs as the first
+replay. An entry's forward graph goes with the entry (least recently used,
+region_graphs.MAX_SHAPES).
+
+Row counts are not bucketed: the key is the exact shapes of the step (a
+steady decode keeps them for many steps; each new shape costs one eager
+step, one step with region-graph capture, then one forward capture).
+
+KVSIEVE_FORWARD_GRAPHS=0 turns this off (region graphs stay on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvsieve.policies.skipkv import steering
+
+from . import metrics
+
+logger = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSIEVE_FORWARD_GRAPHS", "1") == "1"
+
+
+@dataclass
+class ForwardCapture:
+    """One entry's captured decoder stack: static inputs, graph, output."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    graph: object = None
+    #: {"hidden": the decoder's output}: recorded once under CUDA graphs (the
+    #: replay writes into that tensor), set again by each "rerun" replay.
+    output: Optional[dict] = None
+
+
+def decoder_of(model) -> Optional[torch.nn.Module]:
+    """The decoder stack of an SGLang causal LM (`model.model` with its
+    `layers`), whose forward(input_ids, positions, forward_batch) returns the
+    final hidden states; None for models laid out otherwise."""
+    inner = getattr(model, "model", None)
+    if isinstance(inner, torch.nn.Module) and isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        return inner
+    return None
+
+
+def step_is_whole(step, batch_size: int) -> bool:
+    """Whether this decode step's rows are all compressed rows that the
+    captured pass can run: no SGLang-backend rows, no aborted rows, no TBQ
+    flush, no steered request."""
+    rows = step.region if step is not None else None
+    if rows is None or step.extend is not None:
+        return False
+    if step.pool_batch is not None or step.zero_batch_index is not None or rows.flush_rows is not None:
+        return False
+    table = steering.TABLE
+    if table is not None and table.live:
+        return False
+    return rows.pool_rows.shape[0] == batch_size
+
+
+class ForwardGraphs:
+    """Wraps the decoder stack's forward; the attention backend tells it,
+    once per step, which region-graph entry (if any) the step may replay."""
+
+    def __init__(self, decoder: torch.nn.Module, region_graphs, num_layers: int):
+        self.decoder = decoder
+        self.region = region_graphs
+        self.num_layers = num_layers
+        self.original = decoder.forward
+        decoder.forward = self._forward  # an instance attribute: nn.Module.__call__ finds it first
+        self.active = None  # the region-graph entry this step replays whole
+        #: The entry whose decoder stack is being recorded (None otherwise): the
+        #: backend then runs each layer's compressed pass on its static metadata.
+        self.capturing = None
+        self.captures = 0
+        self.replays = 0
+
+    def begin_step(self, step, batch_size: int) -> None:
+        """After the region graphs' begin_step, before the forward."""
+        self.active = None
+        entry = self.region.current
+        if entry is None or len(entry.graphs) < self.num_layers or not step_is_whole(step, batch_size):
+            return
+        self.active = entry
+
+    def _forward(self, input_ids, positions, forward_batch, *args, **kwargs):
+        entry, self.active = self.active, None  # one forward per step
+        # input_embeds and pp_proxy_tensors (positional or named) are None in a plain decode.
+        if (entry is None or any(v is not None for v in (*args, *kwargs.values()))
+                or input_ids.shape[0] != entry.step.region.pool_rows.shape[0]):
+            return self.original(input_ids, positions, forward_batch, *args, **kwargs)
+        captured = entry.forward
+        if captured is None:
+            captured = ForwardCapture(input_ids=input_ids.clone(), positions=positions.clone())
+            out = {}
+
+            def decoder_pass():
+                # The flag is set inside the recorded function, so a "rerun"
+                # replay (region_graphs.Rerun) takes the same static path.
+                self.capturing = entry
+                try:
+                    out["hidden"] = self.original(captured.input_ids, captured.positions, forward_batch)
+                finally:
+                    self.capturing = None
+
+            captured.graph = self.region.capture(decoder_pass)  # the region graphs' memory pool
+            captured.output = out
+            entry.forward = captured
+            self.captures += 1
+            metrics.record_graph_capture("forward")
+            logger.info("kvsieve: decode steps of %d compressed rows replay the whole decoder stack (%d captures)",
+                        input_ids.shape[0], self.captures)
+        captured.input_ids.copy_(input_ids)
+        captured.positions.copy_(positions)
+        captured.graph.replay()
+        self.replays += 1
+        metrics.record_graph_replay("forward")
+        hidden = captured.output.get("hidden")
+        if not isinstance(hidden, torch.Tensor):
+            raise RuntimeError(f"kvsieve: the decoder stack returned {type(hidden).__name__}, not hidden states; "
+                               "set KVSIEVE_FORWARD_GRAPHS=0 for this model")
+        return hidden

@@ -1,0 +1,142 @@
+"""Whole-forward graphs of all-compressed decode steps (radix_ext/forward_graphs.py).
+
+Which steps replay the whole decoder stack (host side, on the real step
+builder), and a real `kvsieve serve` on CPU with KVSIEVE_REGION_GRAPHS=rerun:
+there a "graph" replays by running the recorded function again, with the
+arguments it was recorded with (the capture-time ForwardBatch included),
+which is what a CUDA graph's replay executes; so a decoder pass that read
+the batch of the step it was recorded in, instead of the static metadata,
+would give different tokens here. Real CUDA capture and replay:
+bench/forward_graphs_check.py on a GPU (docs/gpu-kernels.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from kvsieve.policies import get_policy, policy_names
+from kvsieve.policies.skipkv import steering
+from kvsieve.radix_ext.forward_graphs import ForwardGraphs, step_is_whole
+from kvsieve.radix_ext.region_graphs import RegionGraphs
+
+from conftest import start_server
+from test_compressed import complete, metric, region_idle
+from test_step_meta import L, admit, decode_batch, runtime  # noqa: F401  (fixture)
+
+GEN = 48
+#: Graph-safe decode-time policies (the ones whose steps replay), one row each.
+GRAPH_SAFE = [n for n in policy_names() if get_policy(n).compresses and get_policy(n).graph_safe]
+
+
+def policy_for(name: str) -> dict:
+    return {"name": name, "budget": 8}
+
+
+def prompt_for(index: int) -> list[int]:
+    # First ids 380 and below: no other test starts a prompt there.
+    return [380 - index, 12, 57, 203, 9, 88, 146, 31, 270, 64]
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        self.calls = []
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        self.calls.append(forward_batch)
+        return input_ids.float() + positions.float()
+
+
+def _two_rows(runtime):
+    for rid, row in (("a", 3), ("b", 5)):
+        admit(rid, {"name": "h2o", "budget": 8}, prompt_len=5, row=row).prefix_len = 5
+
+
+def test_a_step_replays_whole_only_when_every_row_is_compressed_and_captured(runtime):
+    _two_rows(runtime)  # "f" below is not a compressed request: a `full` row on SGLang's backend
+    whole = runtime.build(decode_batch(["a", "b"], [3, 5], [6, 6]))
+    assert step_is_whole(whole, batch_size=2)
+    mixed = runtime.build(decode_batch(["a", "f", "b"], [3, 6, 5], [7, 7, 7]))
+    assert mixed.pool_batch is not None and not step_is_whole(mixed, batch_size=3)
+    assert not step_is_whole(None, batch_size=2)
+
+    region = RegionGraphs(rerun=True)
+    graphs = ForwardGraphs(Decoder(), region, num_layers=L)
+    for seq in (8, 9):  # shapes seen twice: the region entry exists
+        step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
+        region.begin_step(step, needs_keys=False)
+        graphs.begin_step(step, batch_size=2)
+    assert region.current is not None and graphs.active is None  # its layers are not all captured yet
+    region.current.graphs = {layer: object() for layer in range(L)}
+    graphs.begin_step(step, batch_size=2)
+    assert graphs.active is region.current
+    table = steering.TABLE
+    steering.TABLE = SimpleNamespace(live={3: 1})  # a steered request: its hooks read host state
+    try:
+        graphs.begin_step(step, batch_size=2)
+        assert graphs.active is None
+    finally:
+        steering.TABLE = table
+
+
+def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
+    _two_rows(runtime)
+    region = RegionGraphs(rerun=True)
+    decoder = Decoder()
+    graphs = ForwardGraphs(decoder, region, num_layers=L)
+    fb_seen = []
+    for seq in (8, 9, 10, 11):
+        step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
+        region.begin_step(step, needs_keys=False)
+        if region.current is not None and seq >= 10:  # step 9 made the entry and captured its layers
+            region.current.graphs = {layer: object() for layer in range(L)}
+        graphs.begin_step(step, batch_size=2)
+        fb = SimpleNamespace(seq=seq)
+        fb_seen.append(fb)
+        ids, pos = torch.tensor([seq, 2 * seq]), torch.tensor([100, 200])
+        hidden = decoder(ids, pos, fb)
+        assert hidden.tolist() == [seq + 100.0, 2 * seq + 200.0]
+    assert graphs.captures == 1 and graphs.replays == 2  # steps 10 and 11 (9 made the entry)
+    # Replays ran the recorded pass with the capture-time batch, on static inputs.
+    assert decoder.calls[-1] is fb_seen[2] and decoder.calls[-2] is fb_seen[2]
+    # A forward call that does not follow begin_step (SGLang's own graphs at start-up) passes through.
+    assert decoder(torch.tensor([1]), torch.tensor([2]), "other").tolist() == [3.0]
+    assert decoder.calls[-1] == "other"
+
+
+@pytest.fixture(scope="module")
+def rerun_server(tiny_llama, tmp_path_factory):
+    """The tiny Llama with region and forward graphs whose replay reruns the recorded function."""
+    server = start_server(tmp_path_factory.mktemp("rerun-graphs"), "--model", str(tiny_llama),
+                          env={"KVSIEVE_REGION_GRAPHS": "rerun", "KVSIEVE_FORWARD_GRAPHS": "1"})
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_server, rerun_server):
+    assert len(GRAPH_SAFE) >= 5
+    solo = {name: complete(llama_server, prompt_for(i), policy_for(name), max_tokens=GEN)["choices"][0]["token_ids"]
+            for i, name in enumerate(GRAPH_SAFE)}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(i, name):
+                body = {"prompt": prompt_for(i), "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True, "kv_policy": policy_for(name)}
+                r = await client.post(f"{rerun_server.url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+            return await asyncio.gather(*(one(i, name) for i, name in enumerate(GRAPH_SAFE)))
+
+    batched = dict(zip(GRAPH_SAFE, asyncio.run(run())))
+    for name in GRAPH_SAFE:
+        assert batched[name]["choices"][0]["token_ids"] == solo[name], name
+    assert any(batched[n]["kv_usage"]["evicted_tokens"] > 0 for n in GRAPH_SAFE)
+    assert metric(rerun_server, "kvsieve_decode_graph_captures_total", graph="forward") >= 1
+    assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") >= GEN // 4
+    assert region_idle(rerun_server)
