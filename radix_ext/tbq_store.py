@@ -80,7 +80,23 @@ class QuantPool:
         return keys.view(shape), (vals.view(shape) if values else None)
 
 
+#: Rows flushed per pass: the requantization holds about 3 MB of fp32
+#: temporaries per row (its destination pages, dequantized and rebuilt), and
+#: rows admitted together fill their groups in the same step (2,000 rows of
+#: the TBQ headline in one pass ran an H100 out of memory).
+FLUSH_ROWS = 128
+
+
 def flush(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
+    """flush_rows over the rows in passes of at most FLUSH_ROWS (the number
+    of rows is known on the host: no sync)."""
+    if table.shape[0] <= FLUSH_ROWS:
+        return flush_rows(pm, table, fmt)
+    return torch.cat([flush_rows(pm, table[i:i + FLUSH_ROWS], fmt[i:i + FLUSH_ROWS])
+                      for i in range(0, table.shape[0], FLUSH_ROWS)])
+
+
+def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     """Move the full-precision page (column 0) of each (row, head) of the
     layer's page-table rows `table` [Rf, H, M] into the rows' quantized
     pages (columns 1..), in formats `fmt` [Rf] (kv_formats ids); the rows

@@ -227,3 +227,27 @@ def test_retained_bytes_count_codes_and_scales_exactly():
     D = 32
     per_head = 12 * (2 * D // 2 + D // 16) + (8 + D) + 16 * (2 * D // 4 + D // 16) + (8 + D) + 6 * 2 * D * 2
     assert int(pm.retained_bytes_of_rows(torch.tensor([0]))[0]) == 2 * per_head
+
+
+def test_a_flush_in_passes_of_rows_equals_one_pass(monkeypatch):
+    # Rows admitted together fill their groups in the same step; the flush
+    # takes them FLUSH_ROWS at a time to bound its temporaries.
+    def run(passes_of):
+        monkeypatch.setattr(tbq_store, "FLUSH_ROWS", passes_of)
+        pm = PageManager(RegionConfig(num_layers=1, num_kv_heads=2, head_dim=32, num_pages=8, quant_pages=24,
+                                      quant_bits=4, max_rows=3, dtype=torch.float32))
+        for row, rid in enumerate("abc"):
+            pm.allocate(rid, 1, 3)
+            pm.bind(rid, row)
+        pm.flush()
+        table = pm.table[0:3, 0]
+        g = torch.Generator().manual_seed(2)
+        overflow = [tbq_store.flush(pm, table, torch.tensor([kvf.NVFP4, kvf.TERNARY, kvf.NVFP4]))
+                    for _ in range(2) if fill_group(pm, table, 0, g) is not None]
+        return pm.kv_of(table), pm.format[table].clone(), pm.valid[table].clone(), torch.stack(overflow)
+
+    (k1, v1), f1, valid1, o1 = run(passes_of=128)
+    (k2, v2), f2, valid2, o2 = run(passes_of=1)
+    assert torch.equal(f1, f2) and torch.equal(valid1, valid2) and torch.equal(o1, o2)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert {kvf.NVFP4, kvf.TERNARY} <= set(f1[:, :, 1:].unique().tolist())  # both formats were written
