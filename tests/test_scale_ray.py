@@ -222,10 +222,15 @@ def test_api_and_metrics_per_replica(ray_service):
 def test_replica_killed_mid_load(ray_service):
     s = ray_service
     # Long enough that both replicas are still generating when one is killed.
-    body = {"prompt": "wait let me verify", "max_tokens": 500, "ignore_eos": True}
-    outs = [{} for _ in range(8)]
+    # A prompt per stream: prefix routing sends one prompt to one preferred
+    # replica (rendezvous hashing), so a shared prompt put every stream on one
+    # replica whenever Serve's cached queue lengths lagged; 12 distinct
+    # prompts all prefer the same replica with probability 2 / 2^12.
+    bodies = [{"prompt": f"wait let me verify step {i} of the proof", "max_tokens": 500, "ignore_eos": True}
+              for i in range(12)]
+    outs = [{} for _ in bodies]
     started = [threading.Event() for _ in outs]
-    threads = [threading.Thread(target=_stream, args=(s, body, o, e)) for o, e in zip(outs, started)]
+    threads = [threading.Thread(target=_stream, args=(s, b, o, e)) for b, o, e in zip(bodies, outs, started)]
     for t in threads:
         t.start()
     for e in started:
