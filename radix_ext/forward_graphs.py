@@ -136,7 +136,15 @@ class ForwardGraphs:
                 finally:
                     self.capturing = None
 
-            captured.graph = self.region.capture(decoder_pass)  # the region graphs' memory pool
+            try:
+                captured.graph = self.region.capture(decoder_pass)  # the region graphs' memory pool
+            except Exception:
+                # A model whose forward cannot be recorded: nothing ran (a
+                # capture records only), so the step runs eagerly, and so do
+                # the later ones; the region graphs stay.
+                logger.exception("kvsieve: the decoder stack could not be captured; whole-forward graphs off")
+                self.decoder.forward = self.original
+                return self.original(input_ids, positions, forward_batch, *args, **kwargs)
             captured.output = out
             entry.forward = captured
             self.captures += 1

@@ -141,3 +141,22 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     assert metric(rerun_server, "kvsieve_decode_graph_captures_total", graph="forward") >= 1
     assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") >= GEN // 4
     assert region_idle(rerun_server)
+
+
+def test_a_stack_that_cannot_be_recorded_runs_eagerly_from_then_on(runtime):
+    _two_rows(runtime)
+
+    class Unrecordable(RegionGraphs):
+        def capture(self, static_pass):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    region = Unrecordable(rerun=True)
+    decoder = Decoder()
+    graphs = ForwardGraphs(decoder, region, num_layers=L)
+    for seq in (8, 9):
+        step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
+        region.begin_step(step, needs_keys=False)
+    region.current.graphs = {layer: object() for layer in range(L)}
+    graphs.begin_step(step, batch_size=2)
+    assert decoder(torch.tensor([1, 2]), torch.tensor([10, 20]), "fb").tolist() == [11.0, 22.0]
+    assert decoder.forward == graphs.original and graphs.captures == 0 and decoder.calls == ["fb"]
