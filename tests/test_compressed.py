@@ -20,6 +20,22 @@ def complete(server, prompt_ids, policy, max_tokens=GEN, **extra):
     return r.json()
 
 
+def complete_together(server, requests, max_tokens):
+    """[(prompt_ids, kv_policy)] sent at once (one batch on the server);
+    their responses in order."""
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(prompt, policy):
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True, "kv_policy": policy}
+                r = await client.post(f"{server.url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()
+            return await asyncio.gather(*(one(prompt, policy) for prompt, policy in requests))
+
+    return asyncio.run(run())
+
+
 def metric(server, name, **labels):
     total = 0.0
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():

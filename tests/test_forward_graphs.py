@@ -11,10 +11,8 @@ bench/forward_graphs_check.py on a GPU (docs/gpu-kernels.md)."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import torch
 
@@ -24,7 +22,7 @@ from kvsieve.radix_ext.forward_graphs import ForwardGraphs, step_is_whole
 from kvsieve.radix_ext.region_graphs import RegionGraphs
 
 from conftest import start_server
-from test_compressed import complete, metric, region_idle
+from test_compressed import complete, complete_together, metric, region_idle
 from test_step_meta import L, admit, decode_batch, runtime  # noqa: F401  (fixture)
 
 GEN = 48
@@ -124,17 +122,8 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     solo = {name: complete(llama_server, prompt_for(i), policy_for(name), max_tokens=GEN)["choices"][0]["token_ids"]
             for i, name in enumerate(GRAPH_SAFE)}
 
-    async def run():
-        async with httpx.AsyncClient(timeout=600) as client:
-            async def one(i, name):
-                body = {"prompt": prompt_for(i), "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
-                        "return_token_ids": True, "kv_policy": policy_for(name)}
-                r = await client.post(f"{rerun_server.url}/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                return r.json()
-            return await asyncio.gather(*(one(i, name) for i, name in enumerate(GRAPH_SAFE)))
-
-    batched = dict(zip(GRAPH_SAFE, asyncio.run(run())))
+    batched = dict(zip(GRAPH_SAFE, complete_together(
+        rerun_server, [(prompt_for(i), policy_for(name)) for i, name in enumerate(GRAPH_SAFE)], max_tokens=GEN)))
     for name in GRAPH_SAFE:
         assert batched[name]["choices"][0]["token_ids"] == solo[name], name
     assert any(batched[n]["kv_usage"]["evicted_tokens"] > 0 for n in GRAPH_SAFE)

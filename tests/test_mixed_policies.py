@@ -3,12 +3,8 @@ solo run.
 A real `kvsieve serve` (the session's tiny Llama on CPU); the policy list
 comes from the registry, so a newly registered policy is covered here too."""
 
-import asyncio
-
-import httpx
-
 from kvsieve.policies import get_policy, policy_names
-from test_compressed import complete, region_idle
+from test_compressed import complete, complete_together, region_idle
 
 GEN = 40
 #: A budget that makes each policy evict within GEN tokens, where the
@@ -37,17 +33,8 @@ def test_every_policy_in_one_batch_equals_its_solo_run(llama_server):
         solo[name] = out["choices"][0]["token_ids"]
         assert len(solo[name]) == GEN
 
-    async def run():
-        async with httpx.AsyncClient(timeout=600) as client:
-            async def one(i, name):
-                body = {"prompt": prompt_for(i), "max_tokens": GEN, "temperature": 0, "ignore_eos": True,
-                        "return_token_ids": True, "kv_policy": policy_for(name)}
-                r = await client.post(f"{llama_server.url}/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                return r.json()
-            return await asyncio.gather(*(one(i, name) for i, name in enumerate(names)))
-
-    mixed = dict(zip(names, asyncio.run(run())))
+    mixed = dict(zip(names, complete_together(
+        llama_server, [(prompt_for(i), policy_for(name)) for i, name in enumerate(names)], max_tokens=GEN)))
     for name in names:
         assert mixed[name]["choices"][0]["token_ids"] == solo[name], name
         assert mixed[name]["kv_usage"]["policy"] == name
