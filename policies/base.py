@@ -141,6 +141,13 @@ class Policy:
     #: (attention, slot state): the other layers compute none for its rows
     #: and skip its observe_decode; select_decode still runs in every layer.
     observes_first_layer_only: ClassVar[bool] = False
+    #: Whether select_decode on a row whose decision is not due (deciding_rows
+    #: said False) changes what observe_decode would and evicts nothing. The
+    #: engine may then run such rows with the deciding ones to keep the
+    #: deciding group's size on a few buckets (step_meta.decision_bucket): a
+    #: batch of requests at different phases of their cadence then keeps its
+    #: step shapes, and replays its captured graphs, from step to step.
+    pads_decisions: ClassVar[bool] = False
 
     # ----- batched decisions (inside the forward) ---------------------------
     def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:

@@ -38,6 +38,24 @@ from .runtime import RUNTIME, CompressedRequest
 #: policy names no window (snapkv's default).
 DEFAULT_OBSERVATION_WINDOW = 32
 
+#: The smallest deciding group a policy with Policy.pads_decisions is padded to.
+MIN_DECISION_BUCKET = 8
+
+
+def decision_bucket(due: int, rows: int) -> int:
+    """How many of a group's `rows` run select_decode when `due` of them
+    are due and the policy pads its decisions: none, all, or the next power
+    of two from MIN_DECISION_BUCKET (all of them past `rows`). Requests that
+    joined at different steps are due at different steps, `due` changes
+    from step to step, and every distinct size is a new set of shapes:
+    eager steps and captures instead of graph replays."""
+    if due == 0 or due == rows:
+        return due
+    bucket = MIN_DECISION_BUCKET
+    while bucket < due:
+        bucket *= 2
+    return min(bucket, rows)
+
 
 @dataclass
 class PolicyGroup:
@@ -221,6 +239,14 @@ class StepBuilder:
             return [group]
         deciding = [i for i, d in enumerate(due) if d]
         observing = [i for i, d in enumerate(due) if not d]
+        if group.policy.pads_decisions and deciding:
+            # Rows not due decide too (their select_decode only observes),
+            # the first ones in row order, up to the bucket.
+            extra = decision_bucket(len(deciding), len(due)) - len(deciding)
+            if extra == len(observing):
+                return [group]
+            deciding = sorted(deciding + observing[:extra])
+            observing = observing[extra:]
         split = [group.subset(deciding, "decide")] if deciding else []
         if type(group.policy).observe_decode is not Policy.observe_decode:
             split.append(group.subset(observing, "observe"))

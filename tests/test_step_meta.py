@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvsieve.policies import Policy, register_policy, registry
+from kvsieve.policies import Policy, get_policy, register_policy, registry
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.runtime import RUNTIME
 from kvsieve.radix_ext.step_meta import StepBuilder
@@ -182,11 +182,14 @@ def test_a_compressing_request_is_refused_by_name_where_the_engine_runs_another_
     assert not RUNTIME.requests
 
 
-def test_rows_whose_decision_is_not_due_only_observe(runtime):
+def test_rows_whose_decision_is_not_due_only_observe(runtime, monkeypatch):
     # rkv decides every `buffer` steps (Policy.deciding_rows): rows at
     # different steps split into a group that decides (its keys gathered,
     # select_decode) and one that only observes (observe_decode); each
     # subset carries its rows' budgets, steps, parameters and inputs.
+    # (Unpadded here; tests/test_decision_buckets.py pads the deciding group.)
+    rkv = get_policy("rkv")
+    monkeypatch.setattr(rkv, "pads_decisions", False)
     for rid, row in (("a", 1), ("b", 2), ("c", 3)):
         req = admit(rid, {"name": "rkv", "budget": 8, "params": {"buffer": 4}}, prompt_len=5, row=row)
         req.prefix_len = 5
@@ -204,3 +207,7 @@ def test_rows_whose_decision_is_not_due_only_observe(runtime):
     assert [g.action for g in meta.region.groups] == ["decide"] and meta.region.groups[0].members == [0, 1]
     meta = runtime.build(decode_batch(["a", "b"], [1, 2], [10, 10]))
     assert [g.action for g in meta.region.groups] == ["observe"]
+    # Padded to its bucket (8 rows, more than the group): the whole group decides.
+    monkeypatch.setattr(rkv, "pads_decisions", True)
+    meta = runtime.build(decode_batch(["a", "b", "c"], [1, 2, 3], [17, 18, 21]))
+    assert [g.action for g in meta.region.groups] == ["decide"] and meta.region.groups[0].members == [0, 1, 2]

@@ -93,6 +93,9 @@ class CrystalKVPolicy(Policy):
     needs = Need.ATTENTION | Need.TOKEN_IDS
     keeps_slot_state = True
     graph_safe = True  # tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync
+    # select_decode = the LRFU step of observe_decode + an eviction masked by
+    # the cadence (the overflow guard cannot fire between two cadence steps).
+    pads_decisions = True
     description = ("Attention-based LRFU per (layer, kv head) during thinking; stops at the end-of-think marker; "
                    "adaptive: per-head budgets from the heads' CRF (Algorithm 2), pages moved between heads.")
 

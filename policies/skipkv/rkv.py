@@ -46,6 +46,7 @@ class RKVBase(Policy):
     Params = RKVParams
     needs = Need.ATTENTION | Need.KEYS
     keeps_slot_state = True
+    pads_decisions = True  # select_decode = observe_decode + an eviction masked by due_heads
 
     def _group_size(self) -> int:
         """Query heads per kv head: attention arrives summed over the group;

@@ -73,6 +73,7 @@ class RegionPass:
     prompt: int
     device: str
     token_ids: bool = False  # hand the policy each step's token ids (Need.TOKEN_IDS)
+    last_step: object = None  # the StepMeta of the last run_batch
 
     def batch(self, s: int) -> SimpleNamespace:
         seq = [self.prompt + s + 1] * len(self.rids)
@@ -87,7 +88,7 @@ class RegionPass:
     def run_batch(self, forward_batch, q3, k3, v3) -> torch.Tensor:
         """One step of a batch made by batch(s): metadata once, then every layer."""
         backend = self.backend
-        step = backend.steps.build(forward_batch)
+        step = self.last_step = backend.steps.build(forward_batch)
         if backend.graphs is not None:
             backend.graphs.begin_step(step, needs_keys=False)
         outputs = []
