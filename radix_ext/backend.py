@@ -104,7 +104,7 @@ class KvsieveAttnBackend(AttentionBackend):
         self.forward_graphs = None
         decoder = forward_graphs.decoder_of(model_runner.model)
         if self.graphs is not None and forward_graphs.enabled() and decoder is not None:
-            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num)
+            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self._flush_all)
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
@@ -219,12 +219,24 @@ class KvsieveAttnBackend(AttentionBackend):
         if step.region is not None:
             if self.graphs is None or not self.graphs.run(self._decode_region, layer, q3, k3, v3, o3):
                 self._decode_region(q3, k3, v3, o3, layer, step)
-            if step.region.flush_rows is not None:  # TBQ: whole groups move to quantized pages (eager)
-                rows = step.region
-                with span("kvsieve.tbq_flush"):
-                    RUNTIME.flag_overflow(rows.pool_rows[rows.flush_rows], tbq_store.flush(
-                        self.pages, rows.tables[rows.flush_rows, layer.layer_id], rows.flush_format))
+            self.flush_groups(step, layer.layer_id)
         return o3.flatten(1)
+
+    def flush_groups(self, step, layer_id: int) -> None:
+        """TBQ: the rows whose full-precision group is whole move it to
+        quantized pages in this layer (eager: its rows change every step).
+        No later layer of the step reads this layer's region, so a step
+        replayed whole (forward_graphs.py) flushes every layer after the stack."""
+        rows = step.region
+        if rows is None or rows.flush_rows is None:
+            return
+        with span("kvsieve.tbq_flush"):
+            RUNTIME.flag_overflow(rows.pool_rows[rows.flush_rows], tbq_store.flush(
+                self.pages, rows.tables[rows.flush_rows, layer_id], rows.flush_format))
+
+    def _flush_all(self, step) -> None:
+        for layer_id in range(self.num_layers):
+            self.flush_groups(step, layer_id)
 
     # ----- the batched compressed pass ----------------------------------------
     @staticmethod

@@ -15,8 +15,13 @@ So a decode step is replayed whole when:
   rows running SGLang's backend, no rows being aborted), and
 * the step's region-graph entry exists and every layer of it has been
   captured (its shapes held for at least two steps: region_graphs.py), and
-* nothing in the step runs eagerly by design: no TBQ group flush (its rows
-  change every step), no steered request (its hooks read host state).
+* no steered request is live (its hooks read host state).
+
+A step with a TBQ group flush replays too: the flush (eager, its rows
+change every step) runs for every layer after the stack (`after_stack`),
+which is the same, as no later layer of a step reads an earlier layer's
+region. Requests out of phase flush in most steps, so excluding those steps
+left TBQ batches with no whole-step replays.
 
 Then the decoder stack (`model.model.forward`: embedding through the final
 norm; the logits processor and its token observers stay eager) is captured
@@ -78,12 +83,12 @@ def decoder_of(model) -> Optional[torch.nn.Module]:
 
 def step_is_whole(step, batch_size: int) -> bool:
     """Whether this decode step's rows are all compressed rows that the
-    captured pass can run: no SGLang-backend rows, no aborted rows, no TBQ
-    flush, no steered request."""
+    captured pass can run: no SGLang-backend rows, no aborted rows, no
+    steered request."""
     rows = step.region if step is not None else None
     if rows is None or step.extend is not None:
         return False
-    if step.pool_batch is not None or step.zero_batch_index is not None or rows.flush_rows is not None:
+    if step.pool_batch is not None or step.zero_batch_index is not None:
         return False
     table = steering.TABLE
     if table is not None and table.live:
@@ -95,8 +100,12 @@ class ForwardGraphs:
     """Wraps the decoder stack's forward; the attention backend tells it,
     once per step, which region-graph entry (if any) the step may replay."""
 
-    def __init__(self, decoder: torch.nn.Module, region_graphs, num_layers: int):
+    def __init__(self, decoder: torch.nn.Module, region_graphs, num_layers: int, after_stack=None):
         self.decoder = decoder
+        #: Called with the step after its replayed stack: the backend's
+        #: per-layer work that stays eager (the TBQ flush).
+        self.after_stack = after_stack
+        self.step = None  # the step `active` belongs to
         self.region = region_graphs
         self.num_layers = num_layers
         self.original = decoder.forward
@@ -110,14 +119,15 @@ class ForwardGraphs:
 
     def begin_step(self, step, batch_size: int) -> None:
         """After the region graphs' begin_step, before the forward."""
-        self.active = None
+        self.active = self.step = None
         entry = self.region.current
         if entry is None or len(entry.graphs) < self.num_layers or not step_is_whole(step, batch_size):
             return
-        self.active = entry
+        self.active, self.step = entry, step
 
     def _forward(self, input_ids, positions, forward_batch, *args, **kwargs):
         entry, self.active = self.active, None  # one forward per step
+        step, self.step = self.step, None
         # input_embeds and pp_proxy_tensors (positional or named) are None in a plain decode.
         if (entry is None or any(v is not None for v in (*args, *kwargs.values()))
                 or input_ids.shape[0] != entry.step.region.pool_rows.shape[0]):
@@ -156,6 +166,8 @@ class ForwardGraphs:
         captured.graph.replay()
         self.replays += 1
         metrics.record_graph_replay("forward")
+        if self.after_stack is not None:
+            self.after_stack(step)
         hidden = captured.output.get("hidden")
         if not isinstance(hidden, torch.Tensor):
             raise RuntimeError(f"kvsieve: the decoder stack returned {type(hidden).__name__}, not hidden states; "

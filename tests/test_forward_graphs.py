@@ -87,10 +87,15 @@ def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
     _two_rows(runtime)
     region = RegionGraphs(rerun=True)
     decoder = Decoder()
-    graphs = ForwardGraphs(decoder, region, num_layers=L)
-    fb_seen = []
+    after = []  # the steps handed to after_stack (the backend's TBQ flush of every layer)
+    graphs = ForwardGraphs(decoder, region, num_layers=L, after_stack=after.append)
+    fb_seen, steps = [], []
     for seq in (8, 9, 10, 11):
         step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
+        if seq == 11:  # a TBQ group flush in this step: it replays whole all the same
+            step.region.flush_rows, step.region.flush_format = torch.tensor([1]), torch.tensor([2])
+        assert step_is_whole(step, batch_size=2)
+        steps.append(step)
         region.begin_step(step, needs_keys=False)
         if region.current is not None and seq >= 10:  # step 9 made the entry and captured its layers
             region.current.graphs = {layer: object() for layer in range(L)}
@@ -101,6 +106,7 @@ def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
         hidden = decoder(ids, pos, fb)
         assert hidden.tolist() == [seq + 100.0, 2 * seq + 200.0]
     assert graphs.captures == 1 and graphs.replays == 2  # steps 10 and 11 (9 made the entry)
+    assert after == steps[2:]  # after each replayed stack, with its own step (not the entry's static one)
     # Replays ran the recorded pass with the capture-time batch, on static inputs.
     assert decoder.calls[-1] is fb_seen[2] and decoder.calls[-2] is fb_seen[2]
     # A forward call that does not follow begin_step (SGLang's own graphs at start-up) passes through.
@@ -127,6 +133,9 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     for name in GRAPH_SAFE:
         assert batched[name]["choices"][0]["token_ids"] == solo[name], name
     assert any(batched[n]["kv_usage"]["evicted_tokens"] > 0 for n in GRAPH_SAFE)
+    # thinkv's TBQ flushes a group every 16 steps: those steps replay whole
+    # too, and flush every layer after the stack.
+    assert batched["thinkv"]["kv_usage"]["tbq"] is True
     assert metric(rerun_server, "kvsieve_decode_graph_captures_total", graph="forward") >= 1
     assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") >= GEN // 4
     assert region_idle(rerun_server)
