@@ -105,6 +105,9 @@ class KvsieveAttnBackend(AttentionBackend):
         decoder = forward_graphs.decoder_of(model_runner.model)
         if self.graphs is not None and forward_graphs.enabled() and decoder is not None:
             self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self._flush_all)
+        #: Policy groups padded to bucketed row counts where graphs replay
+        #: (step_meta.row_bucket; KVSIEVE_GRAPH_BUCKETS=0 turns it off).
+        self.steps.pad_rows = self.graphs is not None and region_graphs.buckets_enabled()
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
@@ -303,7 +306,9 @@ class KvsieveAttnBackend(AttentionBackend):
             p.k[page, offset] = k3[idx].to(p.k.dtype)
             p.v[page, offset] = v3[idx].to(p.v.dtype)
             p.vnorm[page, offset] = v3[idx].float().abs().sum(-1)
-            p.valid[page, offset] = p.const_true
+            # Padded rows (step_meta.StepBuilder.pad) hold only the null page:
+            # what they store there must never be valid.
+            p.valid[page, offset] = page != p.null_page
             p.position[page, offset] = rows.positions.unsqueeze(1)
             p.score[page, offset] = p.const_zero
             p.last_hit[page, offset] = p.const_zero_int
@@ -315,13 +320,13 @@ class KvsieveAttnBackend(AttentionBackend):
                                             pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
                                             p.k, p.v, p.valid, table, layer.scaling, needs, region_vnorm=p.vnorm,
                                             quant=p.quant, formats=p.format)
-                o3[idx] = out.to(o3.dtype)
+                o3[idx[:rows.real]] = out[:rows.real].to(o3.dtype)
             else:
                 rk, rv, view = self._slots(table)
                 pk, pv = self._prefix_kv(layer, rows)
                 out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv,
                                        view.valid.unsqueeze(1), layer.scaling, needs)
-                o3[idx] = out[:, 0].to(o3.dtype)
+                o3[idx[:rows.real]] = out[:rows.real, 0].to(o3.dtype)  # padded rows' outputs dropped
         if self.use_kernel:
             with span("kvsieve.view"):  # what the decisions read of the slots (keys: per deciding group)
                 view = self._view(table, keys=False, state=keeps_state)

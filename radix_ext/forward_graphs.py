@@ -32,9 +32,11 @@ capture records, it does not execute; the step then runs as the first
 replay. An entry's forward graph goes with the entry (least recently used,
 region_graphs.MAX_SHAPES).
 
-Row counts are not bucketed: the key is the exact shapes of the step (a
-steady decode keeps them for many steps; each new shape costs one eager
-step, one step with region-graph capture, then one forward capture).
+Row counts are bucketed: each policy group is padded to step_meta.row_bucket
+rows (StepBuilder.pad) and the stack runs on the padded rows, whose hidden
+states are dropped; a request that joins or ends keeps the step's shapes
+unless its group crosses a bucket (each new shape costs one eager step, one
+step with region-graph capture, then one forward capture).
 
 KVSIEVE_FORWARD_GRAPHS=0 turns this off (region graphs stay on).
 """
@@ -93,7 +95,7 @@ def step_is_whole(step, batch_size: int) -> bool:
     table = steering.TABLE
     if table is not None and table.live:
         return False
-    return rows.pool_rows.shape[0] == batch_size
+    return rows.real == batch_size
 
 
 class ForwardGraphs:
@@ -130,11 +132,15 @@ class ForwardGraphs:
         step, self.step = self.step, None
         # input_embeds and pp_proxy_tensors (positional or named) are None in a plain decode.
         if (entry is None or any(v is not None for v in (*args, *kwargs.values()))
-                or input_ids.shape[0] != entry.step.region.pool_rows.shape[0]):
+                or input_ids.shape[0] != step.region.real):
             return self.original(input_ids, positions, forward_batch, *args, **kwargs)
+        rows = input_ids.shape[0]
         captured = entry.forward
         if captured is None:
-            captured = ForwardCapture(input_ids=input_ids.clone(), positions=positions.clone())
+            # The stack runs on the entry's rows, padded ones included (their
+            # ids and positions are whatever the buffers hold: outputs dropped).
+            padded = entry.step.region.pool_rows.shape[0]
+            captured = ForwardCapture(input_ids=input_ids.new_zeros(padded), positions=positions.new_zeros(padded))
             out = {}
 
             def decoder_pass():
@@ -161,8 +167,8 @@ class ForwardGraphs:
             metrics.record_graph_capture("forward")
             logger.info("kvsieve: decode steps of %d compressed rows replay the whole decoder stack (%d captures)",
                         input_ids.shape[0], self.captures)
-        captured.input_ids.copy_(input_ids)
-        captured.positions.copy_(positions)
+        captured.input_ids[:rows].copy_(input_ids)
+        captured.positions[:rows].copy_(positions)
         captured.graph.replay()
         self.replays += 1
         metrics.record_graph_replay("forward")
@@ -172,4 +178,4 @@ class ForwardGraphs:
         if not isinstance(hidden, torch.Tensor):
             raise RuntimeError(f"kvsieve: the decoder stack returned {type(hidden).__name__}, not hidden states; "
                                "set KVSIEVE_FORWARD_GRAPHS=0 for this model")
-        return hidden
+        return hidden[:rows]

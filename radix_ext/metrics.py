@@ -159,3 +159,14 @@ def record_graph_capture(graph: str) -> None:
 
 def record_graph_replay(graph: str) -> None:
     GRAPH_REPLAYS.labels(graph=graph).inc()
+
+
+PADDED_ROWS = Counter(
+    "kvsieve_decode_padded_rows",
+    "Rows of no request added to decode steps' policy groups to keep their graphs' shapes "
+    "(step_meta.row_bucket): work spent so that replays go on while requests join and end",
+)
+
+
+def record_padded_rows(rows: int) -> None:
+    PADDED_ROWS.inc(rows)

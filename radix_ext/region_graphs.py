@@ -11,9 +11,12 @@ the new step's metadata is copied into the captured tensors (one copy per
 tensor, once per step), and each layer copies its q/k/v rows in and its
 output rows out around a replay.
 
-Shapes seen for the first time run eagerly; the second consecutive step of
-the same shapes runs the pass eagerly for real, then captures it (capture
-records, it does not execute), so no step is applied twice.
+Shapes seen for the first time run eagerly; the next step of the same
+shapes among the last RECENT_KEYS steps runs the pass eagerly for real,
+then captures it (capture records, it does not execute), so no step is
+applied twice. Decode steps' policy groups are padded to bucketed row
+counts (step_meta.row_bucket, StepBuilder.pad), so requests joining and
+ending mostly keep a step's shapes.
 Only policies marked `graph_safe` are captured (and the observing rows of
 those marked `observe_graph_safe`): their decisions are tensor functions of
 (batch, view, obs) whose host-side inputs (shapes, parameter maxima) are
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: Shapes kept captured at once (28 graphs each); the least recently used goes.
 MAX_SHAPES = int(os.environ.get("KVSIEVE_REGION_GRAPH_SHAPES", "4"))
+#: Steps whose shapes count as seen lately (a shape is captured when it comes back).
+RECENT_KEYS = 16
 
 
 def mode() -> str:
@@ -49,6 +54,16 @@ def mode() -> str:
     if value not in ("0", "1", "rerun"):
         raise ValueError(f"KVSIEVE_REGION_GRAPHS must be 0, 1 or rerun, not {value!r}")
     return value
+
+
+def buckets_enabled() -> bool:
+    """KVSIEVE_GRAPH_BUCKETS: "1" (default) pads decode steps' policy groups
+    to bucketed row counts (step_meta.row_bucket) where graphs replay; "0"
+    keys graphs by exact row counts."""
+    value = os.environ.get("KVSIEVE_GRAPH_BUCKETS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVSIEVE_GRAPH_BUCKETS must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def enabled(device) -> bool:
@@ -111,7 +126,10 @@ class RegionGraphs:
         self.cache: "OrderedDict[tuple, _Captured]" = OrderedDict()
         self.current: Optional[_Captured] = None
         self.batch_index: Optional[torch.Tensor] = None
-        self.last_key: Optional[tuple] = None
+        self.real = 0
+        #: Keys of the last RECENT_KEYS steps: a shape is captured the second
+        #: time it shows up among them.
+        self.recent: "OrderedDict[tuple, None]" = OrderedDict()
         self.captures = 0
         self.replays = 0
         # One memory pool for every captured shape: graphs replay one at a
@@ -126,14 +144,20 @@ class RegionGraphs:
         step's shapes and copy the step's metadata into it."""
         self.current = None
         key = signature(step, needs_keys)
-        seen_before, self.last_key = self.last_key == key, key
         if key is None:
             return
+        seen_before = key in self.recent
+        self.recent[key] = None
+        self.recent.move_to_end(key)
+        while len(self.recent) > RECENT_KEYS:
+            self.recent.popitem(last=False)
         entry = self.cache.get(key)
         if entry is None:
             if not seen_before:
                 # Shapes change every step while requests join (prefills
-                # between decodes): capture only shapes that held for two steps.
+                # between decodes): capture only shapes seen before, lately.
+                # (Not only in the step before: requests out of phase
+                # alternate a deciding step's shapes with an observing one's.)
                 return
             entry = self._new_entry(step)
             self.cache[key] = entry
@@ -145,6 +169,7 @@ class RegionGraphs:
                 static.copy_(fresh, non_blocking=True)
         self.current = entry
         self.batch_index = step.region.batch_index  # where the compressed rows are in this step's batch
+        self.real = step.region.real  # this step's rows before its padded ones
 
     @staticmethod
     def _new_entry(step) -> _Captured:
@@ -155,8 +180,10 @@ class RegionGraphs:
         rows = static.region
         for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "positions"):
             setattr(rows, name, getattr(rows, name).clone())
-        # The captured pass reads the compressed rows from static inputs, in order.
+        # The captured pass reads the compressed rows from static inputs, in
+        # order, and writes every row's output (padded ones too) to static o.
         rows.batch_index = torch.arange(rows.pool_rows.shape[0], device=rows.pool_rows.device)
+        rows.real = rows.pool_rows.shape[0]
         groups = []
         for group in rows.groups:
             g = copy.copy(group)
@@ -198,7 +225,7 @@ class RegionGraphs:
             self.replays += 1
             if layer.layer_id == 0:
                 metrics.record_graph_replay("region")
-        o3[idx] = entry.o
+        o3[idx[:self.real]] = entry.o[:self.real]  # padded rows' outputs stay behind
         return True
 
     def capture(self, static_pass):

@@ -29,7 +29,7 @@ from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
 
-from . import head_parallel
+from . import head_parallel, metrics
 from .head_pages import plan_head_pages
 from .profiling import span
 from .runtime import RUNTIME, CompressedRequest
@@ -40,6 +40,33 @@ DEFAULT_OBSERVATION_WINDOW = 32
 
 #: The smallest deciding group a policy with Policy.pads_decisions is padded to.
 MIN_DECISION_BUCKET = 8
+
+
+#: The page-table row every padded row reads: SGLang's req_to_token row 0,
+#: which it never gives a request (its own graphs pad batches with it). Its
+#: page-table row holds only the null page, which has no valid slot.
+PAD_POOL_ROW = 0
+
+
+def row_bucket(rows: int) -> int:
+    """Rows a policy group is padded to when its step may replay captured
+    graphs: 1, 2, 4, 8, then multiples of 16 to 256, then of 64 (SGLang's
+    decode graphs bucket batch sizes alike). At most 15 rows or 1/4 more
+    work; in exchange a request that joins or ends mostly keeps the step's
+    shapes."""
+    if rows <= 0:
+        return 0
+    if rows <= 8:
+        return 1 << (rows - 1).bit_length()
+    step = 16 if rows <= 256 else 64
+    return -(-rows // step) * step
+
+
+def prefix_bucket(tokens: int) -> int:
+    """Width of the prefix-slot table when rows are padded: the longest
+    prefix rounded up to 128 (the decode kernel reads whole blocks of it, so
+    this costs at most a few blocks of masked loads per row)."""
+    return -(-tokens // 128) * 128
 
 
 def decision_bucket(due: int, rows: int) -> int:
@@ -113,6 +140,10 @@ class RegionRows:
     #: first layer only (Policy.observes_first_layer_only) ask for nothing there.
     later_needs: Need = Need.NONE
     later_keeps_state: bool = False
+    #: Host: the leading rows that are requests; the rest (StepBuilder.pad)
+    #: pad policy groups to row_bucket sizes, read page-table row
+    #: PAD_POOL_ROW (null pages only), and their outputs are dropped.
+    real: int = 0
     positions: Optional[torch.Tensor] = None  # [R] position of the decode token
     #: Rows whose full-precision group is whole after this step (TBQ:
     #: tbq_store.flush) and the format of each group; None when none.
@@ -199,10 +230,13 @@ def sub_batch(forward_batch, rows: list[int], token_rows: Optional[list[int]], d
 class StepBuilder:
     """Builds StepMeta for the kvsieve backend (one per backend)."""
 
-    def __init__(self, pages, req_to_token: torch.Tensor, device):
+    def __init__(self, pages, req_to_token: torch.Tensor, device, pad_rows: bool = False):
         self.pages = pages
         self.req_to_token = req_to_token
         self.device = device
+        #: Pad decode steps' policy groups to row_bucket sizes (set where the
+        #: compressed pass replays captured graphs: region_graphs.py).
+        self.pad_rows = pad_rows
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
@@ -258,6 +292,8 @@ class StepBuilder:
         width = self.pages.width_of([r.rid for r in requests])
         tables = self.pages.table[pool_rows_t, :, :, :width]
         P = max(prefix_lens)
+        if self.pad_rows and not prefill:
+            P = min(prefix_bucket(P), self.req_to_token.shape[1])
         if P:
             cols = torch.arange(P, device=dev)
             prefix_mask = cols.unsqueeze(0) < _long(prefix_lens, dev).unsqueeze(1)
@@ -277,7 +313,53 @@ class StepBuilder:
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev), groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
-                                  for g in groups))
+                                  for g in groups), real=len(requests))
+
+    def pad(self, rows: RegionRows) -> None:
+        """Pad every policy group of a decode step to row_bucket rows, so
+        that requests joining and ending keep the step's shapes (and its
+        captured graphs). Padded rows come after the real ones, copy their
+        group's first row's budget, step, parameters and inputs, and read
+        page-table row PAD_POOL_ROW: no prefix, no valid slot; the store
+        writes nothing valid there (backend: the null page), a decision finds
+        nothing to evict, and their outputs are never copied out. Only for
+        steps whose groups may all be captured (region_graphs.signature)."""
+        for g in rows.groups:
+            if not (g.policy.graph_safe or (g.action == "observe" and g.policy.observe_graph_safe)):
+                return
+            if any(t.dim() == 0 or t.shape[0] != len(g.members) for t in (*g.params.values(), *g.inputs.values())):
+                return  # an input not laid out per row: nothing to pad it with
+        dev = self.device
+        extra = 0
+        for group in rows.groups:
+            n = len(group.members)
+            pads = row_bucket(n) - n
+            if not pads:
+                continue
+            index = torch.cat([torch.arange(n, device=dev), torch.zeros(pads, dtype=torch.int64, device=dev)])
+            new_rows = list(range(rows.real + extra, rows.real + extra + pads))
+            group.rows = torch.cat([group.rows, _long(new_rows, dev)])
+            group.budget, group.step = group.budget[index], group.step[index]
+            group.params = {k: v[index] for k, v in group.params.items()}
+            group.inputs = {k: v[index] for k, v in group.inputs.items()}
+            group.pool_rows = torch.cat([group.pool_rows, torch.full((pads,), PAD_POOL_ROW, dtype=torch.int64,
+                                                                     device=dev)])
+            group.members = group.members + new_rows
+            extra += pads
+        if not extra:
+            return
+        metrics.record_padded_rows(extra)
+
+        def grow(t, fill):
+            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype, device=dev)])
+        rows.batch_index = grow(rows.batch_index, 0)  # any row of the batch: their q/k/v are read, not used
+        rows.pool_rows = grow(rows.pool_rows, PAD_POOL_ROW)
+        rows.tables = torch.cat([rows.tables, self.pages.table[PAD_POOL_ROW, :, :, :rows.tables.shape[3]]
+                                 .unsqueeze(0).expand(extra, -1, -1, -1)])
+        rows.prefix_slots = grow(rows.prefix_slots, 0)
+        rows.prefix_mask = grow(rows.prefix_mask, False)
+        rows.prefix_lens = grow(rows.prefix_lens, 0)
+        rows.positions = grow(rows.positions, 0)
 
     # ----- the step ---------------------------------------------------------
     def build(self, forward_batch) -> Optional[StepMeta]:
@@ -329,6 +411,8 @@ class StepBuilder:
                                      prefill=False)
             rows.positions = fb.positions[rows.batch_index]
             self._flushes(rows, requests, steps)
+            if self.pad_rows:
+                self.pad(rows)
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
 
     def _flushes(self, rows: RegionRows, requests: list, steps: list[int]) -> None:

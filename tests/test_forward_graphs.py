@@ -35,7 +35,7 @@ def policy_for(name: str) -> dict:
 
 
 def prompt_for(index: int) -> list[int]:
-    # First ids 336..330: no other test on the shared server starts a prompt
+    # First ids 336..328: no other test on the shared server starts a prompt
     # there (a shared first token is a radix hit that changes their kv_usage).
     return [336 - index, 12, 57, 203, 9, 88, 146, 31, 270, 64]
 
@@ -125,17 +125,21 @@ def rerun_server(tiny_llama, tmp_path_factory):
 
 def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_server, rerun_server):
     assert len(GRAPH_SAFE) >= 5
-    solo = {name: complete(llama_server, prompt_for(i), policy_for(name), max_tokens=GEN)["choices"][0]["token_ids"]
-            for i, name in enumerate(GRAPH_SAFE)}
+    # One row of each policy, and three of streaming: its group is padded to
+    # 4 rows (step_meta.row_bucket), so the replayed stack runs a padded row.
+    names = GRAPH_SAFE + ["streaming", "streaming"]
+    solo = [complete(llama_server, prompt_for(i), policy_for(name), max_tokens=GEN)["choices"][0]["token_ids"]
+            for i, name in enumerate(names)]
 
-    batched = dict(zip(GRAPH_SAFE, complete_together(
-        rerun_server, [(prompt_for(i), policy_for(name)) for i, name in enumerate(GRAPH_SAFE)], max_tokens=GEN)))
-    for name in GRAPH_SAFE:
-        assert batched[name]["choices"][0]["token_ids"] == solo[name], name
-    assert any(batched[n]["kv_usage"]["evicted_tokens"] > 0 for n in GRAPH_SAFE)
+    batched = complete_together(rerun_server, [(prompt_for(i), policy_for(name)) for i, name in enumerate(names)],
+                                max_tokens=GEN)
+    for i, name in enumerate(names):
+        assert batched[i]["choices"][0]["token_ids"] == solo[i], name
+    assert any(b["kv_usage"]["evicted_tokens"] > 0 for b in batched)
     # thinkv's TBQ flushes a group every 16 steps: those steps replay whole
     # too, and flush every layer after the stack.
-    assert batched["thinkv"]["kv_usage"]["tbq"] is True
+    assert batched[names.index("thinkv")]["kv_usage"]["tbq"] is True
+    assert metric(rerun_server, "kvsieve_decode_padded_rows_total") >= GEN // 2
     assert metric(rerun_server, "kvsieve_decode_graph_captures_total", graph="forward") >= 1
     assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") >= GEN // 4
     assert region_idle(rerun_server)

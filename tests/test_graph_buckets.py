@@ -1,0 +1,177 @@
+"""Step shapes kept in buckets so that captured graphs replay under real
+traffic, on CPU through the real step builder and backend pass
+(tests/helpers/region_pass.py), graphs replayed by rerunning them:
+
+* deciding groups padded with rows that are not due (Policy.pads_decisions,
+  step_meta.decision_bucket): requests that joined at different steps
+  reach their cadence (rkv's and skipkv's `buffer`, crystal_kv's
+  `evict_interval`) at different steps, so the number of rows that decide
+  changes from step to step; the padding rows' select_decode only observes;
+* policy groups padded with rows of no request (StepBuilder.pad,
+  step_meta.row_bucket): requests joining and ending change the row count;
+  padded rows read a page-table row of null pages and their outputs are
+  dropped.
+Either way every real row's output and the region's state must be the same
+as without the padding."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvsieve.policies import get_policy, policy_names
+from kvsieve.radix_ext import step_meta
+from kvsieve.radix_ext.region_graphs import RegionGraphs
+from kvsieve.radix_ext.step_meta import MIN_DECISION_BUCKET, PAD_POOL_ROW, decision_bucket, row_bucket
+
+from helpers.region_pass import TINY, _Mode, random_qkv, region_pass
+
+PADDED = ["rkv", "skipkv", "crystal_kv"]
+# Cadence phase p (0..15) holds p % 6 + 1 rows: between 1 and 6 rows are due
+# in a step, more distinct step shapes than the graph cache keeps (4).
+PHASES = [p for p in range(16) for _ in range(p % 6 + 1)]
+PROMPT, STEPS, BUDGET = 8, 40, 8
+
+
+class RerunGraphs(RegionGraphs):
+    """A "graph" replays by running the captured pass again on the entry's
+    static tensors (CUDA recording is the one part that needs a GPU)."""
+
+    def capture(self, static_pass):
+        return SimpleNamespace(replay=static_pass)
+
+
+def test_decision_bucket():
+    assert decision_bucket(0, 50) == 0 and decision_bucket(50, 50) == 50
+    assert [decision_bucket(n, 100) for n in (1, MIN_DECISION_BUCKET, 9, 16, 17, 40, 64, 65)] == \
+        [8, 8, 16, 16, 32, 64, 64, 100]
+    assert decision_bucket(5, 6) == 6  # the bucket is past the group: all of it decides
+
+
+def staggered_batch(run, s: int) -> SimpleNamespace:
+    """Decode step s of the batch, row i at its own step s + PHASES[i]."""
+    seq = torch.tensor([run.prompt + s + phase + 1 for phase in PHASES])
+    return SimpleNamespace(rids=run.rids, forward_mode=_Mode(decode=True), seq_lens_cpu=seq, seq_lens=seq,
+                           req_pool_indices=torch.arange(1, len(run.rids) + 1), positions=seq - 1)
+
+
+def run_staggered(policy: str) -> dict:
+    torch.manual_seed(0)
+    graphs = RerunGraphs()
+    run = region_pass(policy, len(PHASES), PROMPT, STEPS + 16, shapes=TINY, budget=BUDGET, device="cpu",
+                      dtype=torch.float32, graphs=graphs)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        sizes, outputs = [], []
+        for s in range(STEPS):
+            batch = staggered_batch(run, s)
+            outputs.append(run.run_batch(batch, *random_qkv(len(PHASES), TINY, gen, "cpu", torch.float32)))
+            sizes.append(tuple((g.action, len(g.members)) for g in run.last_step.region.groups))
+        return {"outputs": torch.stack(outputs), "state": run.region_state(), "held": run.held_tokens_per_head(),
+                "sizes": sizes, "replays": graphs.replays, "captures": graphs.captures}
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("policy", PADDED)
+def test_padded_decisions_change_nothing_but_the_shapes(policy, monkeypatch):
+    assert get_policy(policy).pads_decisions
+    padded = run_staggered(policy)
+    monkeypatch.setattr(get_policy(policy), "pads_decisions", False)
+    exact = run_staggered(policy)
+    # The same tokens attended, the same slots evicted, the same slot state.
+    assert torch.equal(padded["outputs"], exact["outputs"])
+    for a, b in zip(padded["state"], exact["state"]):
+        assert torch.equal(a, b)
+    cls = get_policy(policy)
+    ceiling = cls().max_private_tokens(cls.Params(), 0, STEPS + 16, BUDGET)
+    assert max(padded["held"]) <= ceiling
+    # Unpadded, the deciding group takes 1..6 rows; padded, always 8 (or none).
+    decide = {dict(s).get("decide", 0) for s in exact["sizes"]}
+    assert {1, 2, 3, 4, 5, 6} <= decide
+    assert {dict(s).get("decide", 0) for s in padded["sizes"]} <= {0, MIN_DECISION_BUCKET}
+    # Unpadded, six shapes take turns, more than the cache keeps (4): most
+    # steps run eagerly. Padded, all but the first steps replay (an eager
+    # step and a capture step per shape).
+    assert exact["replays"] <= STEPS * TINY.layers // 4
+    assert padded["replays"] >= (STEPS - 4) * TINY.layers
+
+
+# ----- row buckets ------------------------------------------------------------------
+
+GRAPH_SAFE = [n for n in policy_names() if get_policy(n).compresses and get_policy(n).graph_safe]
+ROWS = 20
+#: Row i decodes in steps [START[i], END[i]): rows join and end all along.
+START = [2 * (i % 5) for i in range(ROWS)]
+END = [STEPS - 3 * (i % 4) for i in range(ROWS)]
+
+
+def test_row_bucket():
+    assert [row_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9, 16, 17, 256, 257, 640, 641)] == \
+        [0, 1, 2, 4, 8, 8, 16, 16, 32, 256, 320, 640, 704]
+
+
+def joining_batch(run, s: int) -> SimpleNamespace:
+    """Decode step s: the rows active in it, each at its own step s - START[i]."""
+    rows = [i for i in range(ROWS) if START[i] <= s < END[i]]
+    seq = torch.tensor([run.prompt + s - START[i] + 1 for i in rows])
+    return SimpleNamespace(rids=[run.rids[i] for i in rows], forward_mode=_Mode(decode=True), seq_lens_cpu=seq,
+                           seq_lens=seq, req_pool_indices=torch.tensor([i + 1 for i in rows]), positions=seq - 1)
+
+
+def run_joining(policy: str, pad: bool) -> dict:
+    """STEPS decode steps of rows joining and ending (joining_batch), with
+    policy groups padded to row buckets or not."""
+    torch.manual_seed(0)
+    graphs = RerunGraphs()
+    run = region_pass(policy, ROWS, PROMPT, STEPS + 1, shapes=TINY, budget=BUDGET, device="cpu",
+                      dtype=torch.float32, graphs=graphs)
+    run.backend.steps.pad_rows = pad
+    try:
+        gen = torch.Generator().manual_seed(0)
+        outputs, padded = [], []
+        for s in range(STEPS):
+            batch = joining_batch(run, s)
+            active = torch.tensor([int(r[1:]) for r in batch.rids])
+            q, k, v = random_qkv(ROWS, TINY, gen, "cpu", torch.float32)  # every row's, so both runs see the same
+            outputs.append(run.run_batch(batch, q[active], k[active], v[active]))
+            region = run.last_step.region
+            padded.append(region.pool_rows.shape[0] - region.real)
+            assert (region.pool_rows[region.real:] == PAD_POOL_ROW).all()
+        valid, position, score, counters = run.region_state()
+        null = run.backend.pages.null_page
+        assert not valid[null].any()  # padded rows never store a valid slot in the null page
+        keep = torch.arange(valid.shape[0]) != null
+        return {"outputs": outputs, "state": (valid[keep], position[keep], score[keep], counters[1:]),
+                "padded": padded, "replays": graphs.replays}
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("policy", GRAPH_SAFE)
+def test_padded_rows_change_no_real_row(policy, monkeypatch):
+    # The prefix table's width bucketed too (prefix_bucket) is checked below:
+    # on the PyTorch reference a wider table of masked columns changes the
+    # matmuls' summation order, so only padded rows are compared bit for bit.
+    monkeypatch.setattr(step_meta, "prefix_bucket", lambda tokens: tokens)
+    padded, exact = run_joining(policy, pad=True), run_joining(policy, pad=False)
+    for step, (a, b) in enumerate(zip(padded["outputs"], exact["outputs"])):
+        assert torch.equal(a, b), f"step {step}"
+    for a, b in zip(padded["state"], exact["state"]):
+        assert torch.equal(a, b)
+    assert sum(exact["padded"]) == 0 and sum(padded["padded"]) > 0
+    # Rows join in the first steps and end in the last ones: unpadded, the
+    # shapes change at each; padded, the steps in between replay more.
+    assert padded["replays"] > exact["replays"]
+
+
+def test_a_bucketed_prefix_width_reads_the_same_keys():
+    # Prompts of 8 tokens in a prefix table 128 wide: the same attention up
+    # to the reference path's summation order.
+    assert step_meta.prefix_bucket(8) == 128 and step_meta.prefix_bucket(129) == 256
+    padded, exact = run_joining("streaming", pad=True), run_joining("streaming", pad=False)
+    assert padded["outputs"][0].shape == exact["outputs"][0].shape
+    for a, b in zip(padded["outputs"], exact["outputs"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
