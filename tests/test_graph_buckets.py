@@ -175,3 +175,19 @@ def test_a_bucketed_prefix_width_reads_the_same_keys():
     assert padded["outputs"][0].shape == exact["outputs"][0].shape
     for a, b in zip(padded["outputs"], exact["outputs"]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_thinkv_padded_decisions_change_nothing(monkeypatch):
+    # Rows that join at different steps cut at different steps; a row that
+    # cuts nothing may run select_decode in a padded deciding group.
+    monkeypatch.setattr(step_meta, "prefix_bucket", lambda tokens: tokens)
+    thinkv = get_policy("thinkv")
+    assert thinkv.pads_decisions
+    padded = run_joining("thinkv", pad=False)
+    monkeypatch.setattr(thinkv, "pads_decisions", False)
+    exact = run_joining("thinkv", pad=False)
+    for a, b in zip(padded["outputs"], exact["outputs"]):
+        assert torch.equal(a, b)
+    for a, b in zip(padded["state"], exact["state"]):
+        assert torch.equal(a, b)
+    assert padded["replays"] > exact["replays"]

@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 _NO_TARGET = 1 << 40
 
 
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (0 stays 0)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 class ThinKVParams(PolicyParams):
     refresh: int = Field(default=128, ge=1, le=65536, description="steps per thought segment")
     retention: tuple[int, ...] = Field(default=(64, 32, 16, 8, 4), min_length=1, max_length=16,
@@ -80,10 +85,14 @@ class ThinKVPolicy(Policy):
     Params = ThinKVParams
     needs = Need.SPARSITY | Need.KEYS
     #: tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync. A
-    #: step that cuts has shapes of its own (segments, members, centroids) and
-    #: runs eagerly unless the next step repeats them; the steps between cuts
-    #: only record sparsity and replay one graph.
+    #: step that cuts has shapes of its own (segments, members, centroids:
+    #: each rounded up to a power of two in step_inputs) and runs eagerly
+    #: unless a recent step had them; the steps between cuts only record
+    #: sparsity and replay one graph.
     graph_safe = True
+    #: select_decode on a row that cuts nothing is its observe_decode: the
+    #: row's targets are _NO_TARGET and it lists no segment.
+    pads_decisions = True
     description = "Thought-typed segments annealed at each transition; k-means keeps representative tokens."
 
     calibration: Optional[calib.Calibration] = None
@@ -143,10 +152,13 @@ class ThinKVPolicy(Policy):
         # No row cuts in this step: empty targets, and the decisions skip the
         # cut on that host-known shape. Else the shapes carry the host's
         # bounds: Kc cut segments, N tokens held, T tokens kept (per segment).
-        K = max(len(t) for t, _, _ in per_row) if cut else 0
-        Kc = max(len(c) for _, _, c in per_row) if cut else 0
-        N = max((had for _, _, c in per_row for _, had, _ in c), default=0)
-        T = max((keep for _, _, c in per_row for _, _, keep in c), default=0)
+        # Each bound rounded up to a power of two: rows out of phase cut in
+        # most steps, each step's bounds would otherwise be new shapes
+        # (no captured graph to replay); the extra columns are padding.
+        K = _bucket(max(len(t) for t, _, _ in per_row)) if cut else 0
+        Kc = _bucket(max(len(c) for _, _, c in per_row)) if cut else 0
+        N = _bucket(max((had for _, _, c in per_row for _, had, _ in c), default=0))
+        T = _bucket(max((keep for _, _, c in per_row for _, _, keep in c), default=0))
         R = len(rows)
         targets = torch.full((R, K), _NO_TARGET, dtype=torch.int64)
         cut_segments = torch.full((R, Kc), -1, dtype=torch.int64)

@@ -1,0 +1,168 @@
+"""How many decode steps replay captured graphs when requests arrive and end
+at different steps (continuous batching), with the step shapes kept in
+buckets and without.
+
+The GPU headline sends every request at once, so its rows run in phase and
+one batch keeps one shape for thousands of steps. Served traffic does not:
+a request ends, another joins a few steps later, and rows reach their
+decision cadence at different steps. Graphs are keyed by a step's shapes
+(radix_ext/region_graphs.py), so what matters is how often a step's shapes
+were captured before it. This measures that on the host side only: the real
+step builder, page manager, policies' step inputs and the graphs' keying
+and capture rule, no model and no attention (a step counts as replayed when
+its shapes' entry was captured in an earlier step). Modes:
+
+* exact: graphs keyed by exact row counts, deciding groups unpadded;
+* buckets: deciding groups padded (Policy.pads_decisions) and policy groups
+  padded to step_meta.row_bucket rows (KVSIEVE_GRAPH_BUCKETS, the default).
+
+Workload: `--rows` requests decoding at any time, each generating a length
+drawn uniformly from [gen/2, 3 gen/2]; an ended request's successor joins
+1-4 steps later (its prefill). The first requests start together with
+lengths drawn from [1, 3 gen/2], and `gen` warm-up steps run before the
+`--steps` measured, so rows are out of phase and past their budgets.
+Prompts of 64 tokens kept in the radix cache, budget `--budget`.
+
+    python bench/graph_buckets.py --rows 64 640 --steps 600 --out bench/results/graph-buckets-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
+import torch
+
+from kvsieve.policies import get_policy
+from kvsieve.radix_ext import metrics  # noqa: F401  (the runtime records into it)
+from kvsieve.radix_ext.pages import PageManager, RegionConfig
+from kvsieve.radix_ext.region_graphs import RegionGraphs, signature
+from kvsieve.radix_ext.runtime import RUNTIME
+from kvsieve.radix_ext.step_meta import StepBuilder
+
+LAYERS, HEADS, PROMPT = 4, 2, 64  # shapes do not enter the keys' behaviour; small keeps it fast
+
+
+class _Decode:
+    def is_decode(self):
+        return True
+
+    def is_extend(self):
+        return False
+
+    def is_idle(self):
+        return False
+
+
+def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets: bool, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    cls = get_policy(policy)
+    pads_decisions = cls.pads_decisions
+    cls.pads_decisions = pads_decisions and buckets
+    max_gen = gen * 3 // 2 + 1
+    pages_per_request = -(-(budget + 600) // 16) + 1  # crystal_kv keeps room for its answer (512)
+    max_rows = rows + 8
+    RUNTIME.requests.clear()
+    RUNTIME.region = PageManager(RegionConfig(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=8,
+                                              num_pages=(rows + 8) * pages_per_request * LAYERS * HEADS,
+                                              page_size=16, max_rows=max_rows))
+    RUNTIME.counters = torch.zeros((max_rows, 2), dtype=torch.int64)
+    RUNTIME.overflow_flags = torch.zeros(max_rows, dtype=torch.bool)
+    req_to_token = torch.zeros((max_rows, PROMPT + max_gen + 2), dtype=torch.int32)
+    builder = StepBuilder(RUNTIME.region, req_to_token, "cpu", pad_rows=buckets)
+    graphs = RegionGraphs(rerun=True)
+    free_rows = list(range(max_rows - 1, 0, -1))  # row 0: SGLang's padding row
+    live = {}  # rid -> [pool row, step, length]
+    pending = []  # steps at which a successor joins
+    counter = 0
+
+    def join(shortest: int) -> None:
+        nonlocal counter
+        rid, row = f"r{counter}", free_rows.pop()
+        counter += 1
+        length = rng.randint(shortest, gen * 3 // 2)
+        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget}}, prompt_len=PROMPT,
+                      sgl_req=SimpleNamespace(req_pool_idx=row, to_finish=None))
+        req = RUNTIME.requests[rid]
+        RUNTIME.reserve(req, 0, max_gen)
+        req.prefix_len = PROMPT
+        live[rid] = [row, 0, length]
+
+    for _ in range(rows):
+        join(1)
+    replayed = eager = padded = real = 0
+    keys = set()
+    started = time.perf_counter()
+    try:
+        for s in range(-gen, steps):  # s < 0: warm-up, not counted
+            for _ in [t for t in pending if t <= s]:
+                join(gen // 2)
+            pending = [t for t in pending if t > s]
+            rids = list(live)
+            seq = torch.tensor([PROMPT + live[r][1] + 1 for r in rids])
+            batch = SimpleNamespace(rids=rids, forward_mode=_Decode(), seq_lens_cpu=seq, seq_lens=seq,
+                                    req_pool_indices=torch.tensor([live[r][0] for r in rids]), positions=seq - 1,
+                                    out_cache_loc=torch.zeros(len(rids), dtype=torch.int64))
+            step = builder.build(batch)
+            region = step.region
+            captured_before = list(graphs.cache.values())
+            graphs.begin_step(step, needs_keys=False)
+            entry = graphs.current
+            was_captured = entry is not None and any(e is entry for e in captured_before)
+            if s >= 0:
+                replayed += was_captured
+                eager += not was_captured
+                keys.add(signature(step, False))
+                padded += region.pool_rows.shape[0] - region.real
+                real += region.real
+            for r in rids:
+                live[r][1] += 1
+                if live[r][1] >= live[r][2]:
+                    row = live.pop(r)[0]
+                    RUNTIME.end(r)
+                    free_rows.append(row)
+                    pending.append(s + rng.randint(1, 4))
+    finally:
+        for r in list(live):
+            RUNTIME.end(r)
+        RUNTIME.region = None
+        cls.pads_decisions = pads_decisions
+    return {"policy": policy, "rows": rows, "mode": "buckets" if buckets else "exact", "steps": steps,
+            "replayed_share": round(replayed / steps, 4), "eager_steps": eager, "distinct_shapes": len(keys),
+            "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 640])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--gen", type=int, default=512, help="mean generated tokens per request")
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--policies", default="streaming,h2o,rkv,skipkv,crystal_kv,thinkv")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    results = []
+    for rows in args.rows:
+        for policy in args.policies.split(","):
+            for buckets in (False, True):
+                r = simulate(policy, rows, args.steps, args.gen, args.budget, buckets)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    if args.out:
+        doc = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+               "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads (CPU; host side only)",
+               "command": "python bench/graph_buckets.py " + " ".join(
+                   [f"--rows {' '.join(map(str, args.rows))}", f"--steps {args.steps}", f"--gen {args.gen}",
+                    f"--budget {args.budget}", f"--policies {args.policies}", f"--out {args.out}"]),
+               "results": results}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
