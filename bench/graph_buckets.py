@@ -15,6 +15,10 @@ its shapes' entry was captured in an earlier step). Modes:
 * exact: graphs keyed by exact row counts, deciding groups unpadded;
 * buckets: deciding groups padded (Policy.pads_decisions) and policy groups
   padded to step_meta.row_bucket rows (KVSIEVE_GRAPH_BUCKETS, the default).
+Both modes capture a shape the second time it shows up among the last 16
+steps, keep region_graphs.MAX_SHAPES shapes, and round thinkv's cut-step
+shapes up to powers of two (all three from 2026-11-26): "exact" is not the
+engine before that day, which replayed less.
 
 Workload: `--rows` requests decoding at any time, each generating a length
 drawn uniformly from [gen/2, 3 gen/2]; an ended request's successor joins

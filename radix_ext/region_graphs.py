@@ -38,8 +38,12 @@ from . import metrics
 
 logger = logging.getLogger(__name__)
 
-#: Shapes kept captured at once (28 graphs each); the least recently used goes.
-MAX_SHAPES = int(os.environ.get("KVSIEVE_REGION_GRAPH_SHAPES", "4"))
+#: Shapes kept captured at once (a graph per layer and one of the decoder
+#: stack each, plus static metadata: about 40 MB at 640 rows of
+#: R1-Distill-Qwen-7B, the page table being most of it); the least recently
+#: used goes. 8: thinkv's cut steps under traffic take turns among more shapes
+#: than 4 (bench/graph_buckets.py: 73% of steps replayed at 64 rows, 42% with 4).
+MAX_SHAPES = int(os.environ.get("KVSIEVE_REGION_GRAPH_SHAPES", "8"))
 #: Steps whose shapes count as seen lately (a shape is captured when it comes back).
 RECENT_KEYS = 16
 

@@ -24,9 +24,9 @@ import torch
 from kvsieve.policies import get_policy, policy_names
 from kvsieve.radix_ext import step_meta
 from kvsieve.radix_ext.region_graphs import RegionGraphs
-from kvsieve.radix_ext.step_meta import MIN_DECISION_BUCKET, PAD_POOL_ROW, decision_bucket, row_bucket
+from kvsieve.radix_ext.step_meta import MIN_DECISION_BUCKET, decision_bucket, row_bucket
 
-from helpers.region_pass import TINY, _Mode, random_qkv, region_pass
+from helpers.region_pass import TINY, _Mode, joining_steps, random_qkv, region_pass
 
 PADDED = ["rkv", "skipkv", "crystal_kv"]
 # Cadence phase p (0..15) holds p % 6 + 1 rows: between 1 and 6 rows are due
@@ -113,41 +113,11 @@ def test_row_bucket():
         [0, 1, 2, 4, 8, 8, 16, 16, 32, 256, 320, 640, 704]
 
 
-def joining_batch(run, s: int) -> SimpleNamespace:
-    """Decode step s: the rows active in it, each at its own step s - START[i]."""
-    rows = [i for i in range(ROWS) if START[i] <= s < END[i]]
-    seq = torch.tensor([run.prompt + s - START[i] + 1 for i in rows])
-    return SimpleNamespace(rids=[run.rids[i] for i in rows], forward_mode=_Mode(decode=True), seq_lens_cpu=seq,
-                           seq_lens=seq, req_pool_indices=torch.tensor([i + 1 for i in rows]), positions=seq - 1)
-
-
 def run_joining(policy: str, pad: bool) -> dict:
-    """STEPS decode steps of rows joining and ending (joining_batch), with
-    policy groups padded to row buckets or not."""
-    torch.manual_seed(0)
-    graphs = RerunGraphs()
-    run = region_pass(policy, ROWS, PROMPT, STEPS + 1, shapes=TINY, budget=BUDGET, device="cpu",
-                      dtype=torch.float32, graphs=graphs)
-    run.backend.steps.pad_rows = pad
-    try:
-        gen = torch.Generator().manual_seed(0)
-        outputs, padded = [], []
-        for s in range(STEPS):
-            batch = joining_batch(run, s)
-            active = torch.tensor([int(r[1:]) for r in batch.rids])
-            q, k, v = random_qkv(ROWS, TINY, gen, "cpu", torch.float32)  # every row's, so both runs see the same
-            outputs.append(run.run_batch(batch, q[active], k[active], v[active]))
-            region = run.last_step.region
-            padded.append(region.pool_rows.shape[0] - region.real)
-            assert (region.pool_rows[region.real:] == PAD_POOL_ROW).all()
-        valid, position, score, counters = run.region_state()
-        null = run.backend.pages.null_page
-        assert not valid[null].any()  # padded rows never store a valid slot in the null page
-        keep = torch.arange(valid.shape[0]) != null
-        return {"outputs": outputs, "state": (valid[keep], position[keep], score[keep], counters[1:]),
-                "padded": padded, "replays": graphs.replays}
-    finally:
-        run.close()
+    """STEPS decode steps of rows joining and ending, policy groups padded
+    to row buckets or not, graphs replayed by rerunning them."""
+    return joining_steps(policy, START, END, STEPS, prompt=PROMPT, shapes=TINY, budget=BUDGET, device="cpu",
+                         dtype=torch.float32, graphs=RerunGraphs(), pad=pad)
 
 
 @pytest.mark.parametrize("policy", GRAPH_SAFE)

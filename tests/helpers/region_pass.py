@@ -196,3 +196,47 @@ def redundant_sentences(prompt: int):
                 "span_rank": to_device(rank, torch.int64, device)}
 
     return step_inputs
+
+
+def joining_steps(policy: str, starts: list[int], ends: list[int], steps: int, *, prompt: int, shapes: Shapes,
+                  budget: int, device: str, dtype, graphs, pad: bool) -> dict:
+    """Decode steps 0..steps-1 of len(starts) rows, row i decoding in steps
+    [starts[i], ends[i]) at its own step s - starts[i] (requests joining
+    and ending), on random q/k/v (seeded: two calls see the same), policy
+    groups padded to row buckets (StepBuilder.pad) or not. Returns every
+    step's outputs of its rows, the region's final state without the null
+    page and SGLang's padding row (which padded rows write), the padded
+    rows per step, and the graph replays."""
+    from kvsieve.radix_ext.step_meta import PAD_POOL_ROW
+
+    rows = len(starts)
+    torch.manual_seed(0)
+    run = region_pass(policy, rows, prompt, steps + 1, shapes=shapes, budget=budget, device=device, dtype=dtype,
+                      graphs=graphs)
+    run.backend.steps.pad_rows = pad
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        outputs, padded = [], []
+        for s in range(steps):
+            active = [i for i in range(rows) if starts[i] <= s < ends[i]]
+            seq = torch.tensor([prompt + s - starts[i] + 1 for i in active])
+            batch = SimpleNamespace(rids=[run.rids[i] for i in active], forward_mode=_Mode(decode=True),
+                                    seq_lens_cpu=seq, seq_lens=seq.to(device),
+                                    req_pool_indices=torch.tensor([i + 1 for i in active], device=device),
+                                    positions=(seq - 1).to(device))
+            index = torch.tensor(active, device=device)
+            q, k, v = random_qkv(rows, shapes, gen, device, dtype)  # every row's, so both runs see the same
+            outputs.append(run.run_batch(batch, q[index], k[index], v[index]))
+            region = run.last_step.region
+            padded.append(region.pool_rows.shape[0] - region.real)
+            assert (region.pool_rows[region.real:] == PAD_POOL_ROW).all()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        valid, position, score, counters = run.region_state()
+        null = run.backend.pages.null_page
+        assert not valid[null].any()  # padded rows never store a valid slot in the null page
+        keep = torch.arange(valid.shape[0], device=valid.device) != null
+        return {"outputs": outputs, "state": (valid[keep], position[keep], score[keep], counters[1:]),
+                "padded": padded, "replays": graphs.replays if graphs is not None else 0}
+    finally:
+        run.close()
