@@ -353,7 +353,10 @@ def _partial_kernel(
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
-    for n0 in range(start, tl.minimum(end, P_pad), BLOCK):  # the shared prefix, in SGLang's token pool
+    # The shared prefix, in SGLang's token pool: this row's blocks only (P_pad
+    # is the batch's longest prefix; the blocks past the row's own are
+    # skipped, their logits left unwritten: the observation masks them).
+    for n0 in range(start, tl.minimum(tl.minimum(end, P_pad), tl.cdiv(plen, BLOCK) * BLOCK), BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         seen = n < plen
         slot = tl.load(PrefixSlots + r * sps_r + n, mask=seen, other=0)
@@ -441,7 +444,7 @@ def _merge_kernel(
 
 @triton.jit
 def _observe_kernel(
-    Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen,
+    Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen, PrefixLen,
     P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
     sat_r, sat_h, Hq, log_sparsity,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
@@ -455,6 +458,7 @@ def _observe_kernel(
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     hq = h * G + g
+    plen = tl.load(PrefixLen + r)
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
         sparse_count = tl.zeros([G_PAD], tl.float32)
@@ -466,7 +470,8 @@ def _observe_kernel(
         n = block * BLOCK + tl.arange(0, BLOCK)
         in_range = n < P_pad + S
         region = in_range & (n >= P_pad)
-        counted = in_range
+        # Prefix keys past the row's own prefix were never scored (nor stored).
+        counted = in_range & ((n >= P_pad) | (n < plen))
         if not SPARSITY:
             counted = region
         rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
@@ -612,7 +617,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     if blocks > first_block:
         _observe_kernel[(R, Hkv, triton.cdiv(blocks - first_block, OBSERVE_BLOCKS_PER_PROGRAM))](
             logits, block_max, lse, row_max, region_v, vnorm, table, valid, attention, pv_norm, sparse, seen,
-            P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
+            prefix_len, P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
             block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
             table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY,
             G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block, BLOCKS_PER_PROGRAM=OBSERVE_BLOCKS_PER_PROGRAM,
