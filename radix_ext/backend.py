@@ -238,8 +238,16 @@ class KvsieveAttnBackend(AttentionBackend):
                 self.pages, rows.tables[rows.flush_rows, layer_id], rows.flush_format))
 
     def _flush_all(self, step) -> None:
-        for layer_id in range(self.num_layers):
-            self.flush_groups(step, layer_id)
+        """flush_groups of every layer in one call (the table rows of all
+        layers stacked: tbq_store.flush_rows has one host sync per call)."""
+        rows = step.region
+        if rows is None or rows.flush_rows is None:
+            return
+        tables = rows.tables[rows.flush_rows]  # [Rf, L, H, M]
+        Rf, L = tables.shape[:2]
+        with span("kvsieve.tbq_flush"):
+            overflow = tbq_store.flush(self.pages, tables.flatten(0, 1), rows.flush_format.repeat_interleave(L))
+            RUNTIME.flag_overflow(rows.pool_rows[rows.flush_rows], overflow.view(Rf, L).any(-1))
 
     # ----- the batched compressed pass ----------------------------------------
     @staticmethod

@@ -80,16 +80,20 @@ class QuantPool:
         return keys.view(shape), (vals.view(shape) if values else None)
 
 
-#: Rows flushed per pass: the requantization holds about 3 MB of fp32
-#: temporaries per row (its destination pages, dequantized and rebuilt), and
-#: rows admitted together fill their groups in the same step (2,000 rows of
-#: the TBQ headline in one pass ran an H100 out of memory).
-FLUSH_ROWS = 128
+#: Rows placed per pass: the placement sorts every quantized slot of a
+#: row's heads (about 30 KB of temporaries per row and head at 1K slots).
+FLUSH_ROWS = 512
+#: Destination pages requantized per pass: about 120 KB of fp32 temporaries
+#: each (the page dequantized, joined, and quantized in every format). Rows
+#: admitted together fill their groups in the same step: a pass of 2,000
+#: rows of the TBQ headline, when each token rebuilt its own copy of its
+#: destination page, ran an H100 out of memory.
+FLUSH_PAGES = 2048
 
 
 def flush(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     """flush_rows over the rows in passes of at most FLUSH_ROWS (the number
-    of rows is known on the host: no sync)."""
+    of rows is known on the host)."""
     if table.shape[0] <= FLUSH_ROWS:
         return flush_rows(pm, table, fmt)
     return torch.cat([flush_rows(pm, table[i:i + FLUSH_ROWS], fmt[i:i + FLUSH_ROWS])
@@ -98,11 +102,15 @@ def flush(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
 
 def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     """Move the full-precision page (column 0) of each (row, head) of the
-    layer's page-table rows `table` [Rf, H, M] into the rows' quantized
-    pages (columns 1..), in formats `fmt` [Rf] (kv_formats ids); the rows
-    that found no room [Rf] (never, when admission reserved enough pages).
-    Tensor calls only: no host sync."""
-    quant = pm.quant
+    page-table rows `table` [Rf, H, M] into the rows' quantized pages
+    (columns 1..), in formats `fmt` [Rf] (kv_formats ids); the rows that
+    found no room [Rf] (never, when admission reserved enough pages).
+
+    Each destination page is dequantized, joined by its tokens and
+    requantized once. One host sync (the number of destination pages): the
+    flush runs eagerly, outside any captured graph, once per group of
+    `page_size` steps. Its rows may be of several layers (the table rows of
+    every layer of a step stacked): pages are per (layer, head)."""
     Rf, H, M = table.shape
     S = pm.config.page_size
     dev = table.device
@@ -130,26 +138,31 @@ def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     col, off = dest // S, dest % S
     page = torch.where(ok, qcols.gather(-1, col), pm.null_page)  # [Rf, H, S]: destination page per token
 
-    # Each token's destination page, requantized with the tokens that join it.
-    old_valid = pm.valid[page]  # [Rf, H, S(page j), S(slot)]
-    old_k, old_v = quant.dequantize(pm, page.reshape(-1))
-    old_k, old_v = old_k.view(Rf, H, S, S, -1), old_v.view(Rf, H, S, S, -1)
-    same = ((page.unsqueeze(-1) == page.unsqueeze(-2)) & ok.unsqueeze(-2)).float()  # [j, t]
-    at = (off.unsqueeze(-1) == torch.arange(S, device=dev)).float()  # [t, slot]
-    joins = torch.einsum("rhjt,rhto->rhjo", same, at) > 0
-    new_k = torch.einsum("rhjt,rhto,rhtd->rhjod", same, at, pm.k[buffer].float())
-    new_v = torch.einsum("rhjt,rhto,rhtd->rhjod", same, at, pm.v[buffer].float())
-    page_k = torch.where(joins.unsqueeze(-1), new_k, old_k)
-    page_v = torch.where(joins.unsqueeze(-1), new_v, old_v)
-    page_valid = old_valid | joins
-    fmt_after = torch.where(old_valid.any(-1), pm.format[page].long(), f)  # an empty page takes the group's
-    q = kvf.quantize_pages(page_k.flatten(0, 2), page_v.flatten(0, 2), page_valid.flatten(0, 2),
-                           fmt_after.flatten(), quant.bits)
-    rows = quant.rows_of(page.flatten())
-    quant.write(rows, q)
-    pm.format[page] = torch.where(ok, fmt_after, 0).to(pm.format.dtype)
-    _, deq_v = kvf.dequantize_pages(q, fmt_after.flatten(), quant.head_dim)
-    pm.vnorm[page] = torch.where(page_valid, deq_v.abs().sum(-1).view(Rf, H, S, S), 0.0)
+    # The destinations, taken in slot-rank order, put each page's tokens in
+    # one run of the moving tokens: a run's first token stands for its page
+    # (at most S pages per head, mostly one).
+    at = torch.arange(S, device=dev).expand(Rf, H, S)
+    before = _carry_forward(torch.where(ok, at, -1))  # the last moving token up to each token
+    before = torch.cat([torch.full_like(before[..., :1], -1), before[..., :-1]], dim=-1)  # ... before it
+    prev = torch.where(before >= 0, page.gather(-1, before.clamp(min=0)), -1)
+    first = ok & (page != prev)  # [Rf, H, S]
+    which = first.flatten().cumsum(0).view(Rf, H, S) - 1  # the destination index of each run's tokens
+    run = torch.where(ok, _carry_forward(torch.where(first, which, -1)), 0)  # [Rf, H, S]
+    pages = page[first]  # [U]: one host sync, the count of destination pages
+    U = pages.shape[0]
+    if U == 0:
+        return overflow
+    row_of_page = torch.arange(Rf, device=dev).view(Rf, 1, 1).expand(Rf, H, S)[first]
+
+    # Each destination page, requantized once with the tokens that join it.
+    t_run, t_off = run[ok], off[ok]
+    src_page, src_slot = buffer.unsqueeze(-1).expand(Rf, H, S)[ok], at[ok]  # where each moving token is now
+    group_fmt = fmt.long()[row_of_page]
+    for u0 in range(0, U, FLUSH_PAGES):
+        u1 = min(u0 + FLUSH_PAGES, U)
+        mine = (t_run >= u0) & (t_run < u1)
+        _requantize(pm, pages[u0:u1], group_fmt[u0:u1], t_run[mine] - u0, t_off[mine], src_page[mine],
+                    src_slot[mine])
 
     # Slot state follows the tokens; the full-precision page is emptied.
     pm.valid[page, off] = ok
@@ -161,3 +174,31 @@ def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     pm.valid[buffer] = still
     pm.position[buffer] = torch.where(still, pm.position[buffer], -1)
     return overflow
+
+
+def _requantize(pm, pages: torch.Tensor, group_fmt: torch.Tensor, run: torch.Tensor, off: torch.Tensor,
+                src_page: torch.Tensor, src_slot: torch.Tensor) -> None:
+    """Quantized pages `pages` [U] joined by the tokens in full-precision
+    slots (src_page, src_slot) at their slots `off` of pages[run]:
+    dequantized, joined and requantized, in their format (an empty page in
+    its group's, `group_fmt`)."""
+    quant = pm.quant
+    old_valid = pm.valid[pages]  # [U, S]
+    page_k, page_v = quant.dequantize(pm, pages)  # [U, S, D] float32
+    page_k[run, off] = pm.k[src_page, src_slot].float()
+    page_v[run, off] = pm.v[src_page, src_slot].float()
+    joins = torch.zeros_like(old_valid)
+    joins[run, off] = True
+    page_valid = old_valid | joins
+    fmt_after = torch.where(old_valid.any(-1), pm.format[pages].long(), group_fmt)
+    q = kvf.quantize_pages(page_k, page_v, page_valid, fmt_after, quant.bits)
+    quant.write(quant.rows_of(pages), q)
+    pm.format[pages] = fmt_after.to(pm.format.dtype)
+    _, deq_v = kvf.dequantize_pages(q, fmt_after, quant.head_dim)
+    pm.vnorm[pages] = torch.where(page_valid, deq_v.abs().sum(-1), 0.0)
+
+
+def _carry_forward(x: torch.Tensor) -> torch.Tensor:
+    """Along the last dim, each -1 replaced by the last value >= 0 before it
+    (values ascend along it where set)."""
+    return x.cummax(dim=-1).values
