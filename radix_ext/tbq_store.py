@@ -18,6 +18,8 @@ the same).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvsieve.kernels import kv_formats as kvf
@@ -100,6 +102,65 @@ def flush(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
                       for i in range(0, table.shape[0], FLUSH_ROWS)])
 
 
+@dataclass
+class Placement:
+    """Where a flush puts each token of its rows' groups (place_groups)."""
+
+    buffer: torch.Tensor  # [Rf, H] the full-precision page of each (row, head)
+    moving: torch.Tensor  # [Rf, H, S] its valid slots: the tokens that move
+    ok: torch.Tensor  # [Rf, H, S] the moving tokens that found a slot
+    page: torch.Tensor  # [Rf, H, S] each token's destination page (the null page where not ok)
+    off: torch.Tensor  # [Rf, H, S] its slot there
+    overflow: torch.Tensor  # [Rf] rows with a token that found no slot
+
+
+def place_groups(pm, table: torch.Tensor, fmt: torch.Tensor) -> Placement:
+    """The destinations of the groups in the full-precision page (column 0)
+    of each (row, head) of `table` [Rf, H, M] (at least one quantized
+    column), in this order of preference: free slots of pages of the
+    group's format `fmt` [Rf], empty pages, free slots of pages of a higher
+    precision, any free slot; within one preference, in column order, so the
+    tokens that go to one page are consecutive among the moving ones."""
+    Rf, H, M = table.shape
+    S = pm.config.page_size
+    buffer = table[:, :, 0]  # [Rf, H]
+    qcols = table[:, :, 1:]  # [Rf, H, Mq]
+    Mq = M - 1
+    moving = pm.valid[buffer]  # [Rf, H, S]
+    qvalid = pm.valid[qcols]  # [Rf, H, Mq, S]
+    real = qcols > pm.null_page
+    page_fmt = pm.format[qcols].long()
+    empty = ~qvalid.any(-1)
+    f = fmt.view(-1, 1, 1).long()
+    preference = torch.where(empty, 1, torch.where(page_fmt == f, 0, torch.where(page_fmt > f, 2, 3)))
+    free = ~qvalid & real.unsqueeze(-1)
+    rank = torch.where(free, preference.unsqueeze(-1), 4).flatten(2)  # [Rf, H, Mq*S]
+    slots = torch.arange(Mq * S, device=table.device)
+    order = torch.argsort(rank * (Mq * S) + slots, dim=-1)[..., :S]  # the group's destinations, best first
+    order_ok = rank.gather(-1, order) < 4
+    place = (moving.long().cumsum(-1) - 1).clamp(min=0)  # k-th valid buffer slot -> k-th destination
+    dest = order.gather(-1, place)  # [Rf, H, S] per buffer slot
+    ok = moving & order_ok.gather(-1, place)
+    col, off = dest // S, dest % S
+    page = torch.where(ok, qcols.gather(-1, col), pm.null_page)
+    return Placement(buffer=buffer, moving=moving, ok=ok, page=page, off=off,
+                     overflow=(moving & ~ok).flatten(1).any(-1))
+
+
+def move_slot_state(pm, p: Placement) -> None:
+    """Slot state follows the tokens; the full-precision page is emptied
+    (but for tokens that found no slot)."""
+    page, off, ok, buffer = p.page, p.off, p.ok, p.buffer
+    pm.valid[page, off] = ok
+    pm.position[page, off] = torch.where(ok, pm.position[buffer], -1)
+    pm.score[page, off] = torch.where(ok, pm.score[buffer], 0.0)
+    pm.last_hit[page, off] = torch.where(ok, pm.last_hit[buffer], 0)
+    pm.prefill_attention[page, off] = pm.const_zero
+    still = p.moving & ~ok
+    pm.valid[buffer] = still
+    pm.position[buffer] = torch.where(still, pm.position[buffer], -1)
+
+
 def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     """Move the full-precision page (column 0) of each (row, head) of the
     page-table rows `table` [Rf, H, M] into the rows' quantized pages
@@ -113,35 +174,12 @@ def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     every layer of a step stacked): pages are per (layer, head)."""
     Rf, H, M = table.shape
     S = pm.config.page_size
-    dev = table.device
-    buffer = table[:, :, 0]  # [Rf, H]
-    qcols = table[:, :, 1:]  # [Rf, H, Mq]
-    Mq = M - 1
-    moving = pm.valid[buffer]  # [Rf, H, S]
-    if Mq == 0:
-        return moving.flatten(1).any(-1)
-    qvalid = pm.valid[qcols]  # [Rf, H, Mq, S]
-    real = qcols > pm.null_page
-    page_fmt = pm.format[qcols].long()
-    empty = ~qvalid.any(-1)
-    f = fmt.view(-1, 1, 1).long()
-    preference = torch.where(empty, 1, torch.where(page_fmt == f, 0, torch.where(page_fmt > f, 2, 3)))
-    free = ~qvalid & real.unsqueeze(-1)
-    rank = torch.where(free, preference.unsqueeze(-1), 4).flatten(2)  # [Rf, H, Mq*S]
-    slots = torch.arange(Mq * S, device=dev)
-    order = torch.argsort(rank * (Mq * S) + slots, dim=-1)[..., :S]  # the group's destinations, best first
-    order_ok = rank.gather(-1, order) < 4
-    place = (moving.long().cumsum(-1) - 1).clamp(min=0)  # k-th valid buffer slot -> k-th destination
-    dest = order.gather(-1, place)  # [Rf, H, S] per buffer slot
-    ok = moving & order_ok.gather(-1, place)
-    overflow = (moving & ~ok).flatten(1).any(-1)
-    col, off = dest // S, dest % S
-    page = torch.where(ok, qcols.gather(-1, col), pm.null_page)  # [Rf, H, S]: destination page per token
-
-    # The destinations, taken in slot-rank order, put each page's tokens in
-    # one run of the moving tokens: a run's first token stands for its page
-    # (at most S pages per head, mostly one).
-    at = torch.arange(S, device=dev).expand(Rf, H, S)
+    if M == 1:
+        return pm.valid[table[:, :, 0]].flatten(1).any(-1)
+    p = place_groups(pm, table, fmt)
+    ok, page = p.ok, p.page
+    # A run's first token stands for its page (at most S pages per head, mostly one).
+    at = torch.arange(S, device=table.device).expand(Rf, H, S)
     before = _carry_forward(torch.where(ok, at, -1))  # the last moving token up to each token
     before = torch.cat([torch.full_like(before[..., :1], -1), before[..., :-1]], dim=-1)  # ... before it
     prev = torch.where(before >= 0, page.gather(-1, before.clamp(min=0)), -1)
@@ -151,29 +189,20 @@ def flush_rows(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
     pages = page[first]  # [U]: one host sync, the count of destination pages
     U = pages.shape[0]
     if U == 0:
-        return overflow
-    row_of_page = torch.arange(Rf, device=dev).view(Rf, 1, 1).expand(Rf, H, S)[first]
+        return p.overflow
+    row_of_page = torch.arange(Rf, device=table.device).view(Rf, 1, 1).expand(Rf, H, S)[first]
 
     # Each destination page, requantized once with the tokens that join it.
-    t_run, t_off = run[ok], off[ok]
-    src_page, src_slot = buffer.unsqueeze(-1).expand(Rf, H, S)[ok], at[ok]  # where each moving token is now
+    t_run, t_off = run[ok], p.off[ok]
+    src_page, src_slot = p.buffer.unsqueeze(-1).expand(Rf, H, S)[ok], at[ok]  # where each moving token is now
     group_fmt = fmt.long()[row_of_page]
     for u0 in range(0, U, FLUSH_PAGES):
         u1 = min(u0 + FLUSH_PAGES, U)
         mine = (t_run >= u0) & (t_run < u1)
         _requantize(pm, pages[u0:u1], group_fmt[u0:u1], t_run[mine] - u0, t_off[mine], src_page[mine],
                     src_slot[mine])
-
-    # Slot state follows the tokens; the full-precision page is emptied.
-    pm.valid[page, off] = ok
-    pm.position[page, off] = torch.where(ok, pm.position[buffer], -1)
-    pm.score[page, off] = torch.where(ok, pm.score[buffer], 0.0)
-    pm.last_hit[page, off] = torch.where(ok, pm.last_hit[buffer], 0)
-    pm.prefill_attention[page, off] = pm.const_zero
-    still = moving & ~ok
-    pm.valid[buffer] = still
-    pm.position[buffer] = torch.where(still, pm.position[buffer], -1)
-    return overflow
+    move_slot_state(pm, p)
+    return p.overflow
 
 
 def _requantize(pm, pages: torch.Tensor, group_fmt: torch.Tensor, run: torch.Tensor, off: torch.Tensor,

@@ -5,41 +5,25 @@ from __future__ import annotations
 import torch
 
 from kvsieve.kernels import kv_formats as kvf
+from kvsieve.radix_ext import tbq_store
 
 
 def flush_rows_per_token(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Tensor:
-    """radix_ext.tbq_store.flush_rows as it was written until 2026-11-26:
-    each token's destination page dequantized, joined and requantized for
-    that token (so a page that takes a group of 16 tokens was rebuilt 16
-    times). The same results, by a formulation simple enough to check by
-    eye; tests/test_tbq.py holds the fast one equal to it."""
+    """radix_ext.tbq_store.flush_rows as it was written until 2026-11-26,
+    on the same placement (tbq_store.place_groups): each token's
+    destination page dequantized, joined and requantized for that token (so
+    a page that takes a group of 16 tokens was rebuilt 16 times). The same
+    results by a formulation simple enough to check by eye;
+    tests/test_tbq.py holds the fast one equal to it."""
     quant = pm.quant
     Rf, H, M = table.shape
     S = pm.config.page_size
     dev = table.device
-    buffer = table[:, :, 0]  # [Rf, H]
-    qcols = table[:, :, 1:]  # [Rf, H, Mq]
-    Mq = M - 1
-    moving = pm.valid[buffer]  # [Rf, H, S]
-    if Mq == 0:
-        return moving.flatten(1).any(-1)
-    qvalid = pm.valid[qcols]  # [Rf, H, Mq, S]
-    real = qcols > pm.null_page
-    page_fmt = pm.format[qcols].long()
-    empty = ~qvalid.any(-1)
+    if M == 1:
+        return pm.valid[table[:, :, 0]].flatten(1).any(-1)
+    p = tbq_store.place_groups(pm, table, fmt)
+    buffer, ok, page, off = p.buffer, p.ok, p.page, p.off
     f = fmt.view(-1, 1, 1).long()
-    preference = torch.where(empty, 1, torch.where(page_fmt == f, 0, torch.where(page_fmt > f, 2, 3)))
-    free = ~qvalid & real.unsqueeze(-1)
-    rank = torch.where(free, preference.unsqueeze(-1), 4).flatten(2)  # [Rf, H, Mq*S]
-    slots = torch.arange(Mq * S, device=dev)
-    order = torch.argsort(rank * (Mq * S) + slots, dim=-1)[..., :S]  # the group's destinations, best first
-    order_ok = rank.gather(-1, order) < 4
-    place = (moving.long().cumsum(-1) - 1).clamp(min=0)  # k-th valid buffer slot -> k-th destination
-    dest = order.gather(-1, place)  # [Rf, H, S] per buffer slot
-    ok = moving & order_ok.gather(-1, place)
-    overflow = (moving & ~ok).flatten(1).any(-1)
-    col, off = dest // S, dest % S
-    page = torch.where(ok, qcols.gather(-1, col), pm.null_page)  # [Rf, H, S]: destination page per token
 
     # Each token's destination page, requantized with the tokens that join it.
     old_valid = pm.valid[page]  # [Rf, H, S(page j), S(slot)]
@@ -62,13 +46,5 @@ def flush_rows_per_token(pm, table: torch.Tensor, fmt: torch.Tensor) -> torch.Te
     _, deq_v = kvf.dequantize_pages(q, fmt_after.flatten(), quant.head_dim)
     pm.vnorm[page] = torch.where(page_valid, deq_v.abs().sum(-1).view(Rf, H, S, S), 0.0)
 
-    # Slot state follows the tokens; the full-precision page is emptied.
-    pm.valid[page, off] = ok
-    pm.position[page, off] = torch.where(ok, pm.position[buffer], -1)
-    pm.score[page, off] = torch.where(ok, pm.score[buffer], 0.0)
-    pm.last_hit[page, off] = torch.where(ok, pm.last_hit[buffer], 0)
-    pm.prefill_attention[page, off] = pm.const_zero
-    still = moving & ~ok
-    pm.valid[buffer] = still
-    pm.position[buffer] = torch.where(still, pm.position[buffer], -1)
-    return overflow
+    tbq_store.move_slot_state(pm, p)
+    return p.overflow
