@@ -104,7 +104,7 @@ class KvsieveAttnBackend(AttentionBackend):
         self.forward_graphs = None
         decoder = forward_graphs.decoder_of(model_runner.model)
         if self.graphs is not None and forward_graphs.enabled() and decoder is not None:
-            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self._flush_all)
+            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self.flush_groups)
         #: Policy groups padded to bucketed row counts where graphs replay
         #: (step_meta.row_bucket; KVSIEVE_GRAPH_BUCKETS=0 turns it off).
         self.steps.pad_rows = self.graphs is not None and region_graphs.buckets_enabled()
@@ -222,28 +222,21 @@ class KvsieveAttnBackend(AttentionBackend):
         if step.region is not None:
             if self.graphs is None or not self.graphs.run(self._decode_region, layer, q3, k3, v3, o3):
                 self._decode_region(q3, k3, v3, o3, layer, step)
-            self.flush_groups(step, layer.layer_id)
+            self.flush_groups(step, slice(layer.layer_id, layer.layer_id + 1))
         return o3.flatten(1)
 
-    def flush_groups(self, step, layer_id: int) -> None:
+    def flush_groups(self, step, layers=slice(None)) -> None:
         """TBQ: the rows whose full-precision group is whole move it to
-        quantized pages in this layer (eager: its rows change every step).
-        No later layer of the step reads this layer's region, so a step
-        replayed whole (forward_graphs.py) flushes every layer after the stack."""
+        quantized pages in `layers` (eager: its rows change every step), in
+        one call with those layers' table rows stacked (tbq_store.flush_rows
+        has a host sync per call). No later layer of a step reads an earlier
+        layer's region, so a step replayed whole (forward_graphs.py) flushes
+        every layer after the stack; an eager step flushes each layer after
+        its pass."""
         rows = step.region
         if rows is None or rows.flush_rows is None:
             return
-        with span("kvsieve.tbq_flush"):
-            RUNTIME.flag_overflow(rows.pool_rows[rows.flush_rows], tbq_store.flush(
-                self.pages, rows.tables[rows.flush_rows, layer_id], rows.flush_format))
-
-    def _flush_all(self, step) -> None:
-        """flush_groups of every layer in one call (the table rows of all
-        layers stacked: tbq_store.flush_rows has one host sync per call)."""
-        rows = step.region
-        if rows is None or rows.flush_rows is None:
-            return
-        tables = rows.tables[rows.flush_rows]  # [Rf, L, H, M]
+        tables = rows.tables[rows.flush_rows, layers]  # [Rf, L, H, M]
         Rf, L = tables.shape[:2]
         with span("kvsieve.tbq_flush"):
             overflow = tbq_store.flush(self.pages, tables.flatten(0, 1), rows.flush_format.repeat_interleave(L))

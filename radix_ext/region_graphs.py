@@ -95,6 +95,12 @@ def step_tensors(step) -> list[torch.Tensor]:
     return out
 
 
+def capturable(group) -> bool:
+    """Whether a policy group's per-layer pass may run inside a captured graph."""
+    policy = group.policy
+    return policy.graph_safe or (group.action == "observe" and policy.observe_graph_safe)
+
+
 def signature(step, needs_keys: bool) -> Optional[tuple]:
     """The key of a decode step's captured graphs, or None when it must run
     eagerly (a policy not marked graph_safe, rows being aborted)."""
@@ -103,8 +109,7 @@ def signature(step, needs_keys: bool) -> Optional[tuple]:
         return None
     groups = []
     for group in rows.groups:
-        policy = group.policy
-        if not (policy.graph_safe or (group.action == "observe" and policy.observe_graph_safe)):
+        if not capturable(group):
             return None
         groups.append((type(group.policy).__qualname__, group.action, tuple(sorted(group.maxima.items())),
                        tuple(sorted(group.inputs))))

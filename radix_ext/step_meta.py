@@ -29,7 +29,7 @@ from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
 
-from . import head_parallel, metrics
+from . import head_parallel, metrics, region_graphs
 from .head_pages import plan_head_pages
 from .profiling import span
 from .runtime import RUNTIME, CompressedRequest
@@ -78,10 +78,7 @@ def decision_bucket(due: int, rows: int) -> int:
     eager steps and captures instead of graph replays."""
     if due == 0 or due == rows:
         return due
-    bucket = MIN_DECISION_BUCKET
-    while bucket < due:
-        bucket *= 2
-    return min(bucket, rows)
+    return min(max(MIN_DECISION_BUCKET, 1 << (due - 1).bit_length()), rows)
 
 
 @dataclass
@@ -323,9 +320,9 @@ class StepBuilder:
         page-table row PAD_POOL_ROW: no prefix, no valid slot; the store
         writes nothing valid there (backend: the null page), a decision finds
         nothing to evict, and their outputs are never copied out. Only for
-        steps whose groups may all be captured (region_graphs.signature)."""
+        steps whose groups may all be captured (region_graphs.capturable)."""
         for g in rows.groups:
-            if not (g.policy.graph_safe or (g.action == "observe" and g.policy.observe_graph_safe)):
+            if not region_graphs.capturable(g):
                 return
             if any(t.dim() == 0 or t.shape[0] != len(g.members) for t in (*g.params.values(), *g.inputs.values())):
                 return  # an input not laid out per row: nothing to pad it with
