@@ -100,6 +100,7 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
     for _ in range(rows):
         join(1)
     replayed = eager = padded = real = 0
+    build_s = []  # host time of each measured step's StepBuilder.build
     keys = set()
     started = time.perf_counter()
     try:
@@ -112,7 +113,10 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
             batch = SimpleNamespace(rids=rids, forward_mode=_Decode(), seq_lens_cpu=seq, seq_lens=seq,
                                     req_pool_indices=torch.tensor([live[r][0] for r in rids]), positions=seq - 1,
                                     out_cache_loc=torch.zeros(len(rids), dtype=torch.int64))
+            t0 = time.perf_counter()
             step = builder.build(batch)
+            if s >= 0:
+                build_s.append(time.perf_counter() - t0)
             region = step.region
             captured_before = list(graphs.cache.values())
             graphs.begin_step(step, needs_keys=False)
@@ -138,7 +142,9 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
         cls.pads_decisions = pads_decisions
     return {"policy": policy, "rows": rows, "mode": "buckets" if buckets else "exact", "steps": steps,
             "replayed_share": round(replayed / steps, 4), "eager_steps": eager, "distinct_shapes": len(keys),
-            "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1)}
+            "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1),
+            "build_ms_per_step": round(1000 * sum(build_s) / len(build_s), 2),
+            "build_ms_p50": round(1000 * sorted(build_s)[len(build_s) // 2], 2)}
 
 
 def main() -> None:
@@ -148,12 +154,14 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=512, help="mean generated tokens per request")
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--policies", default="streaming,h2o,rkv,skipkv,crystal_kv,thinkv")
+    ap.add_argument("--modes", default="exact,buckets", help="exact, buckets or both")
     ap.add_argument("--out")
     args = ap.parse_args()
+    torch.set_num_threads(1)  # the host side of one step: one thread, as the scheduler runs it
     results = []
     for rows in args.rows:
         for policy in args.policies.split(","):
-            for buckets in (False, True):
+            for buckets in [m == "buckets" for m in args.modes.split(",")]:
                 r = simulate(policy, rows, args.steps, args.gen, args.budget, buckets)
                 results.append(r)
                 print(json.dumps(r), flush=True)
@@ -162,7 +170,8 @@ def main() -> None:
                "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads (CPU; host side only)",
                "command": "python bench/graph_buckets.py " + " ".join(
                    [f"--rows {' '.join(map(str, args.rows))}", f"--steps {args.steps}", f"--gen {args.gen}",
-                    f"--budget {args.budget}", f"--policies {args.policies}", f"--out {args.out}"]),
+                    f"--budget {args.budget}", f"--policies {args.policies}", f"--modes {args.modes}",
+                    f"--out {args.out}"]),
                "results": results}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

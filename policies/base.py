@@ -84,7 +84,7 @@ class ModelInfo:
     decode: Optional[Callable[[list], str]] = None
 
 
-@dataclass
+@dataclass(slots=True)  # hundreds are made per step
 class StepRow:
     """One request of a policy group in this step, as step_inputs sees it."""
 
@@ -283,9 +283,14 @@ class Policy:
 
     @classmethod
     def tensor_params(cls) -> list[str]:
-        """Names of the numeric parameters passed to decisions as [R] tensors."""
-        return [name for name, info in cls.Params.model_fields.items()
-                if info.annotation in (int, float, bool)]
+        """Names of the numeric parameters passed to decisions as [R] tensors
+        (found once per class: batch_params asks every step)."""
+        found = cls.__dict__.get("_tensor_params")
+        if found is None or found[0] is not cls.Params:
+            found = (cls.Params, [name for name, info in cls.Params.model_fields.items()
+                                  if info.annotation in (int, float, bool)])
+            cls._tensor_params = found
+        return found[1]
 
     @classmethod
     def batch_params(cls, rows: list[PolicyParams], device="cpu") -> tuple[dict, dict]:

@@ -335,4 +335,6 @@ class PageManager:
 
     def width_of(self, rids) -> int:
         """Columns that cover every head of these requests (host)."""
-        return max((self._owned[r].pages.shape[2] for r in rids if r in self._owned), default=1)
+        owned = self._owned
+        widths = [owned[r].pages.shape[2] for r in rids if r in owned]  # a list: no generator per row
+        return max(widths) if widths else 1

@@ -224,6 +224,12 @@ def sub_batch(forward_batch, rows: list[int], token_rows: Optional[list[int]], d
     return fb
 
 
+def reads_step_rows(cls: type) -> bool:
+    """Whether a policy class reads its rows on the host each step (its own
+    step_inputs or deciding_rows); the others get no StepRow list."""
+    return cls.step_inputs is not Policy.step_inputs or cls.deciding_rows is not Policy.deciding_rows
+
+
 class StepBuilder:
     """Builds StepMeta for the kvsieve backend (one per backend)."""
 
@@ -246,8 +252,9 @@ class StepBuilder:
         for cls, members in by_class.items():
             policy = requests[members[0]].policy
             params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
-            step_rows = [StepRow(state=requests[r].state, step=steps[r], pool_row=pool_rows[r], budget=budgets[r],
-                                 prefill=prefill, private_tokens=requests[r].private_seen) for r in members]
+            # StepRows only for a policy that reads them (hundreds per step).
+            step_rows = [StepRow(requests[r].state, steps[r], pool_rows[r], budgets[r], prefill,
+                                 requests[r].private_seen) for r in members] if reads_step_rows(cls) else []
             with span(f"kvsieve.step_inputs.{policy.name}"):
                 inputs = policy.step_inputs(step_rows, self.device)
             group = PolicyGroup(
@@ -258,7 +265,8 @@ class StepBuilder:
                 params=params, maxima=maxima, inputs=inputs,
                 pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows,
                 members=members)
-            groups += self._split_by_decision(group, None if prefill else policy.deciding_rows(step_rows))
+            due = None if prefill or not step_rows else policy.deciding_rows(step_rows)
+            groups += self._split_by_decision(group, due)
         return groups
 
     @staticmethod
@@ -373,9 +381,12 @@ class StepBuilder:
         return None
 
     def _build_decode(self, fb) -> Optional[StepMeta]:
-        region, pool, zero = [], [], []
+        # Per-row Python runs for every row of every step (hundreds of rows):
+        # one pass per loop, locals bound once, no call where none is needed.
+        live = RUNTIME.requests
+        region, pool, zero, requests = [], [], [], []
         for i, rid in enumerate(fb.rids):
-            req = RUNTIME.requests.get(rid)
+            req = live.get(rid)
             if req is None:
                 pool.append(i)
             elif req.overflowed:
@@ -389,18 +400,28 @@ class StepBuilder:
                 zero.append(i)
             else:
                 region.append(i)
+                requests.append(req)
         if not region and not zero:
             return None
         seq_lens = fb.seq_lens_cpu.tolist()
-        requests = [RUNTIME.requests[fb.rids[i]] for i in region]
         pool_rows = self._pool_rows(fb, requests, region)
         steps, budgets = [], []
-        for req, i in zip(requests, region):
-            self._bind(req, pool_rows[len(steps)])
-            steps.append(seq_lens[i] - 1 - req.prompt_len)
+        row_of = self.pages.row_of
+        plans: dict[type, bool] = {}  # policy class -> has per-head budgets (head_pages.py)
+        for req, i, pool_row in zip(requests, region, pool_rows):
+            if row_of(req.rid) != pool_row:
+                self._bind(req, pool_row)
+            step = seq_lens[i] - 1 - req.prompt_len
             req.private_seen += 1  # this step's token, counted before the budget (budget_ratio)
-            budgets.append(req.budget_tokens(req.private_seen))
-            plan_head_pages(self.pages, req, steps[-1], pool_rows[len(steps) - 1], budgets[-1])  # adaptive budgets
+            budget = req.budget_tokens(req.private_seen)
+            steps.append(step)
+            budgets.append(budget)
+            cls = type(req.policy)
+            plans_heads = plans.get(cls)
+            if plans_heads is None:
+                plans_heads = plans[cls] = getattr(cls, "realloc_head_budgets", None) is not None
+            if plans_heads:
+                plan_head_pages(self.pages, req, step, pool_row, budget)  # adaptive budgets
         self.pages.flush()
         rows = None
         if region:

@@ -159,24 +159,30 @@ class ThinKVPolicy(Policy):
         Kc = _bucket(max(len(c) for _, _, c in per_row)) if cut else 0
         N = _bucket(max((had for _, _, c in per_row for _, had, _ in c), default=0))
         T = _bucket(max((keep for _, _, c in per_row for _, _, keep in c), default=0))
-        R = len(rows)
-        targets = torch.full((R, K), _NO_TARGET, dtype=torch.int64)
-        cut_segments = torch.full((R, Kc), -1, dtype=torch.int64)
-        members = torch.zeros((R, Kc, N), dtype=torch.bool)
-        centroids = torch.zeros((R, Kc, T), dtype=torch.bool)
-        for r, (row_targets, _, cuts) in enumerate(per_row):
+        # Flat host lists, one tensor each (a tensor op per row costs more
+        # than the row's work at hundreds of rows).
+        flat_targets, cut_index, held, kept = [], [], [], []
+        for row_targets, _, cuts in per_row:
             if K:
-                targets[r, :len(row_targets)] = torch.tensor(row_targets, dtype=torch.int64)
-            for c, (index, had, keep) in enumerate(cuts):
-                cut_segments[r, c] = index
-                members[r, c, :had] = True
-                centroids[r, c, :keep] = True
+                flat_targets += row_targets
+                flat_targets += [_NO_TARGET] * (K - len(row_targets))
+            for index, had, keep in cuts:
+                cut_index.append(index)
+                held.append(had)
+                kept.append(keep)
+            pad = Kc - len(cuts)
+            cut_index += [-1] * pad
+            held += [0] * pad
+            kept += [0] * pad
+        R = len(rows)
+        held_t = torch.tensor(held, dtype=torch.int64).view(R, Kc, 1)
+        kept_t = torch.tensor(kept, dtype=torch.int64).view(R, Kc, 1)
         return {
-            "targets": to_device(targets, torch.int64, device),
+            "targets": to_device(torch.tensor(flat_targets, dtype=torch.int64).view(R, K), torch.int64, device),
             "prompt_segments": to_device([p for _, p, _ in per_row], torch.int64, device),
-            "cut_segments": to_device(cut_segments, torch.int64, device),
-            "cut_members": to_device(members, torch.bool, device),
-            "cut_centroids": to_device(centroids, torch.bool, device),
+            "cut_segments": to_device(torch.tensor(cut_index, dtype=torch.int64).view(R, Kc), torch.int64, device),
+            "cut_members": to_device(torch.arange(N) < held_t, torch.bool, device),
+            "cut_centroids": to_device(torch.arange(T) < kept_t, torch.bool, device),
         }
 
     def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int, int]]]:
