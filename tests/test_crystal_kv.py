@@ -180,3 +180,44 @@ def test_per_head_budgets_hold_after_a_realloc_step_with_any_interval(head_budge
         for h in range(H):
             held = held_positions(view, 0, h)
             assert t in held and len(held) <= head_budgets[h] + (0 if realloc else interval - 1)
+
+
+def test_the_end_of_think_marker_is_watched_for_every_request_of_a_forward():
+    # "</think>" encodes to [7, 8] here. One forward hands over three requests'
+    # tokens at once; the marker is split across two forwards for one of them.
+    # A forward's ids are matched once a later forward has run (on a GPU the
+    # newest may still be running): eviction stops a step after the marker.
+    from kvsieve.policies.base import ModelInfo, StepRow
+    from kvsieve.policies.crystal_kv.policy import CrystalKVPolicy
+
+    policy = CrystalKVPolicy()
+    policy.bind_model(ModelInfo(name="t", num_layers=1, num_kv_heads=1, num_q_heads=1, head_dim=4,
+                                delimiter_ids=frozenset(), encode=lambda text: [7, 8] if text == "</think>" else [1]))
+    params = CrystalKVPolicy.Params()
+    states = [policy.begin_request(params, 1, 1) for _ in range(3)]
+    rows = [StepRow(s, step=1, pool_row=r, budget=4, prefill=False) for r, s in enumerate(states)]
+
+    def forward(ids: list[int], lengths: list[int]) -> None:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        t = torch.tensor(ids)
+        policy.on_forward_tokens([(s, a, n) for s, a, n in zip(states, starts, lengths)], t - 1, t, None)
+
+    def thinking() -> list[bool]:
+        return policy.step_inputs(rows, "cpu")["thinking"].tolist()
+
+    forward([5, 7, 7, 8, 6], [2, 2, 1])  # request 0: [5, 7]; 1: [7, 8]; 2: [6]
+    assert thinking() == [True, True, True]  # that forward may still be running
+    forward([8, 7, 8], [1, 1, 1])  # request 0 ends its marker
+    assert thinking() == [True, False, True]
+    forward([1, 2, 3], [1, 1, 1])
+    assert thinking() == [False, False, True]
+    assert states[1].recent == [7, 8] and states[2].recent == [6, 8] and not states[1].watch  # [3]: the newest forward
+
+
+def test_a_host_copy_owns_its_values():
+    from kvsieve.policies.host_reads import HostCopy
+
+    value = torch.tensor([1, 2])
+    copy = HostCopy(value)
+    value.fill_(9)  # the producer reuses its buffer
+    assert copy.landed and copy.values() == [1, 2]

@@ -10,8 +10,10 @@ Misses keep their stored CRF; their decayed value is used for ranking only
 `budget` slots by decayed CRF and never evicts the newest token. A new
 token enters with CRF 0 and tau = its step and takes part in its own step's
 hit test. Once the model writes the end-of-think marker (`think_end`),
-eviction stops: the answer attends to what was retained (a head may then
-grow by `answer_tokens`, the room admission reserves for it, before the LRFU
+eviction stops (a step later than a blocking read would see it: the ids
+reach the host without making it wait for the GPU, policies/host_reads.py):
+the answer attends to what was retained (a head may then grow by
+`answer_tokens`, the room admission reserves for it, before the LRFU
 evicts again).
 
 Cadence (decision, `evict_interval`, default 16): the LRFU bookkeeping
@@ -36,10 +38,13 @@ A budget_ratio does not combine with it (the total must be fixed).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from pydantic import Field
 
 from ..base import Policy, PolicyParams, RequestState
+from ..host_reads import HostCopy
 from .budgets import reallocate_budgets
 from ..observations import Need, keep_top_k, newest_mask, rank_by_position, to_device
 from ..registry import register_policy
@@ -64,8 +69,10 @@ class CrystalKVState(RequestState):
     def __init__(self, params, num_layers, num_kv_heads, marker: tuple):
         super().__init__(params, num_layers, num_kv_heads)
         self.marker = marker  # token ids of think_end
-        self.recent: list[int] = []  # the last len(marker) generated ids
-        self.pending: list = []  # device tails of this step's tokens, read in step_inputs
+        self.recent: list[int] = []  # the last len(marker) ids seen (host)
+        self.forwards = 0  # forwards that handed this request's tokens over (on_forward_tokens)
+        #: (forward, HostCopy, offset, count): ids on their way to the host, oldest first
+        self.watch: deque = deque()
         self.thinking = True
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.head_budgets = None  # [L, H] int64 once adaptive budgets were set
@@ -110,25 +117,45 @@ class CrystalKVPolicy(Policy):
         return bool(state.marker)
 
     def on_tokens(self, state, positions, token_ids, hidden_states):
-        # Inside the forward (the logits hook): keep a device copy of the tail
-        # only; it is read on the host in step_inputs, between steps.
-        if state.marker and state.thinking:
-            state.pending.append(token_ids[-len(state.marker):].clone())
+        self.on_forward_tokens([(state, 0, token_ids.shape[0])], positions, token_ids, hidden_states)
+
+    def on_forward_tokens(self, requests, positions, token_ids, hidden_states):
+        # Inside the forward (the logits hook), for every watching request at
+        # once: their last len(marker) ids of this forward gathered in one
+        # index and copied to the host without waiting (host_reads.py). A
+        # clone and a .tolist() per request and step were a GPU wait per row.
+        index, watched = [], []
+        for state, start, n in requests:
+            if state.marker and state.thinking:
+                m = min(n, len(state.marker))
+                index.extend(range(start + n - m, start + n))
+                watched.append((state, m))
+        if watched:
+            copy = HostCopy(token_ids[to_device(index, torch.int64, token_ids.device)])
+            at = 0
+            for state, m in watched:
+                state.watch.append((state.forwards, copy, at, m))
+                at += m
+        for state, _, _ in requests:
+            state.forwards += 1
 
     @staticmethod
     def _watch_marker(state) -> None:
-        """Fold the tokens seen since the last step into the marker check."""
-        if not state.pending:
-            return
-        ids = torch.cat(state.pending).tolist()
-        state.pending.clear()
-        state.recent = (state.recent + ids)[-len(state.marker):]
-        if tuple(state.recent) == state.marker:
-            state.thinking = False
+        """Match the ids of every forward of the request but its newest (on
+        a GPU that one may still run: SGLang's overlap scheduler launches a
+        step before the last one ends) against the end-of-think marker. So
+        eviction stops one step after the marker, on every device."""
+        while state.watch and state.watch[0][0] < state.forwards - 1:
+            _, copy, at, m = state.watch.popleft()
+            state.recent = (state.recent + copy.values()[at:at + m])[-len(state.marker):]
+            if tuple(state.recent) == state.marker:
+                state.thinking = False
+                state.watch.clear()
 
     def step_inputs(self, rows, device):
         for row in rows:
-            self._watch_marker(row.state)
+            if row.state.watch:
+                self._watch_marker(row.state)
         inputs = {"thinking": to_device([row.state.thinking for row in rows], torch.bool, device)}
         if any(row.state.head_budgets is not None for row in rows):
             L, H = rows[0].state.num_layers, rows[0].state.num_kv_heads

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from typing import Literal, Optional
 
 import torch
@@ -29,6 +30,7 @@ from kvsieve.kernels import kv_formats as kvf
 
 from . import calibration as calib
 from ..base import ModelInfo, Policy, PolicyParams, RequestState, StepRow
+from ..host_reads import HostCopy
 from ..observations import Need, to_device
 from ..registry import register_policy
 from .segments import SegmentBook, Thought, classify
@@ -74,6 +76,9 @@ class ThinKVState(RequestState):
         self.last_key: Optional[tuple] = None
         self.last_row: Optional[tuple] = None
         self.fallback: Optional[str] = None
+        #: (step, HostCopy, index, segment): a segment's sparsity on its way
+        #: to the host, typed at that decode step (host_reads.py)
+        self.typing: deque = deque()
 
     def new_book(self) -> SegmentBook:
         return SegmentBook(refresh=self.params.refresh, retention=self.params.retention)
@@ -233,22 +238,40 @@ class ThinKVPolicy(Policy):
         return result
 
     def _read_thought_types(self, rows: list[StepRow]) -> None:
-        """Type the segments whose first step ran in the previous forward:
-        one copy of their rows' recorded sparsity to the host."""
-        due = [row for row in rows if not row.prefill and row.state.book is not None
-               and row.step >= 1 and (row.step - 1) % row.state.book.refresh == 0
-               and (g := row.state.book.generated((row.step - 1) // row.state.book.refresh)) is not None
-               and g.thought is None]
+        """Type each segment from its first step's recorded sparsity. The
+        values are gathered for the segments whose first step ran in the
+        previous forward and copied to the host without a wait (host_reads.py:
+        with rows out of phase some segment starts in most steps, and a
+        blocking read there stalled SGLang's overlap of host and GPU work);
+        the segment is typed one decode step later, on every device alike."""
+        cal = None
+        for row in rows:
+            queue = row.state.typing
+            while queue and not row.prefill and queue[0][0] <= row.step:
+                _, copy, at, seg = queue.popleft()
+                value = copy.values()[at]
+                if not math.isnan(value):
+                    cal = cal or self._calibration()
+                    seg.thought = classify(value, *cal.thresholds)
+        due, segments = [], []
+        for row in rows:
+            book = row.state.book
+            if row.prefill or book is None or row.step < 1 or (row.step - 1) % book.refresh:
+                continue
+            seg = book.generated((row.step - 1) // book.refresh)
+            queue = row.state.typing
+            if seg is not None and seg.thought is None and not (queue and queue[-1][3] is seg):
+                due.append(row)
+                segments.append(seg)
         if not due or self._sparsity is None:
             return
-        cal = self._calibration()
-        layers = torch.tensor(cal.layers, dtype=torch.int64, device=self._sparsity.device)
-        index = torch.tensor([row.pool_row for row in due], dtype=torch.int64, device=self._sparsity.device)
-        values = self._sparsity[index][:, layers].mean(-1).cpu().tolist()  # between steps: a sync is fine here
-        for row, value in zip(due, values):
-            seg = row.state.book.generated((row.step - 1) // row.state.book.refresh)
-            if not math.isnan(value):
-                seg.thought = classify(value, *cal.thresholds)
+        cal = cal or self._calibration()
+        device = self._sparsity.device
+        layers = to_device(list(cal.layers), torch.int64, device)
+        index = to_device([row.pool_row for row in due], torch.int64, device)
+        copy = HostCopy(self._sparsity[index][:, layers].mean(-1))
+        for at, (row, seg) in enumerate(zip(due, segments)):
+            row.state.typing.append((row.step + 1, copy, at, seg))
 
     # ----- per layer (device) ---------------------------------------------------
     def _record_sparsity(self, batch, obs) -> None:
