@@ -1,7 +1,7 @@
 """Reading device values on the host without waiting for the GPU.
 
 A policy whose host state follows device values (crystal_kv's end-of-think
-marker) used to read them with `.tolist()` between steps: each read waits
+marker, thinkv's thought types, skipkv's sentences) used to read them with `.tolist()` between steps: each read waits
 for every kernel queued before it, so the host could not prepare step N+1
 while the GPU ran step N (SGLang's overlap scheduler), and one read per
 request made it hundreds of waits a step.
@@ -39,10 +39,15 @@ class HostCopy:
     def landed(self) -> bool:
         return self._event is None or self._event.query()
 
+    def tensor(self) -> torch.Tensor:
+        """The copy on the host (CPU tensor)."""
+        if self._event is not None:
+            self._event.synchronize()  # this copy only; asked a forward later, it has landed
+            self._event = None
+        return self._host
+
     def values(self) -> list:
         """The copied values as a list (read once, then kept)."""
         if self._values is None:
-            if self._event is not None:
-                self._event.synchronize()  # this copy only; asked a forward later, it has landed
-            self._values = self._host.tolist()
+            self._values = self.tensor().tolist()
         return self._values

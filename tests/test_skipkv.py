@@ -76,8 +76,12 @@ def test_sentences_from_tokens_and_hidden_states():
     lo = rs.base
     assert book.vectors[lo:lo + 2].tolist() == [[1.0, 0.0], [3.0, 0.0]]
     assert book.starts[lo:lo + 2].tolist() == [10, 13] and book.ends[lo:lo + 2].tolist() == [12, 14]
-    book.read([(rs, 0.9)])
-    assert rs.known == 2
+    book.read([(rs, 0.9, 0)])
+    book.take([(rs, 0)])
+    assert rs.known == 0 and rs.counting is not None  # on its way: taken at step 1
+    book.take([(rs, 1)])
+    assert rs.known == 2 and len(rs.spans.lists[0]) == 0 and rs.spanning is not None  # spans at step 2
+    book.take([(rs, 2)])
     assert rs.spans.starts.tolist() == [10] and rs.spans.ends.tolist() == [12]
     assert rs.spans.penalty.tolist() == pytest.approx([1.0]) and rs.spans.rank.tolist() == [0]
     # A token id outside the delimiter table (>= 10) is no delimiter.
@@ -144,8 +148,9 @@ def test_a_request_range_grows_past_its_first_size():
     for t in range(n):
         book.add(rs, torch.tensor([t]), torch.tensor([5]), torch.tensor([[float(t), 1.0]]))
         book.flush()
+        book.take([(rs, t)])
         if t % 50 == 0:
-            book.read([(rs, 0.99)])
+            book.read([(rs, 0.99, t)])
     assert int(book.count[0]) == n and rs.cap >= n
     assert book.vectors[rs.base:rs.base + n, 0].tolist() == [float(t) for t in range(n)]
     assert book.vectors[other.base].tolist() == [9.0, 9.0] and int(book.count[1]) == 1
@@ -228,21 +233,24 @@ def bound_policy(**params):
 
 
 def test_policy_drops_the_repeated_sentence_whole():
-    # Generated tokens at positions 0-9, ids "1 2 5" "3 5" "4 4 5" "6 6"
+    # Generated tokens at positions 0-11, ids "1 2 5" "3 5" "4 4 5" "6 6 6 6"
     # (delimiter 5): S1 = 0-2, S2 = 3-4, S3 = 5-7. Hidden states: S1 (1, 0),
     # S2 (0, 1), S3 (2, 0): cos(S1, S3) = 1 > 0.9, S1 is redundant once S3 is
-    # finished (after step 7; refresh 1 reads it at step 8). Budget 5, window
-    # 1, lambda 1 (importance only), kernel 1: attention 0.9 on S1's tokens,
-    # 0.1 elsewhere (ties: lower slot, i.e. older here).
+    # finished (after step 7; refresh 1 reads the count at step 8, the spans
+    # are computed at step 9 and reach the decision at step 10). Budget 5,
+    # window 1, lambda 1 (importance only), kernel 1: attention 0.9 on S1's
+    # tokens, 0.1 elsewhere (ties: lower slot, i.e. older here).
     # step 5: 0-5 held, 5 protected, keep 0 1 2 3: evict 4 (slot 4)
     # step 6: 6 in slot 4; keep 0 1 2 3 (slot 3 before slot 5): evict 5
     # step 7: 7 in slot 5; keep 0 1 2 3: evict 6
-    # step 8: 8 in slot 4; one token to go and S1 is redundant: S1 goes whole
-    #         (0, 1, 2), though its attention is the highest
-    # step 9: 9 in slot 0; 4 held: nothing.
+    # step 8: 8 in slot 4; keep 0 1 2 3 (slot 3 before slot 5): evict 7
+    # step 9: 9 in slot 5; keep 0 1 2 3: evict 8
+    # step 10: 10 in slot 4; one token to go and S1 is redundant: S1 goes
+    #          whole (0, 1, 2), though its attention is the highest
+    # step 11: 11 in slot 0; 4 held: nothing.
     policy, batch, state = bound_policy(refresh=1, window=1, kernel=1, lambda_mix=1.0)
-    ids = [1, 2, 5, 3, 5, 4, 4, 5, 6, 6]
-    hidden = [(1, 0)] * 3 + [(0, 1)] * 2 + [(2, 0)] * 3 + [(1, 1)] * 2
+    ids = [1, 2, 5, 3, 5, 4, 4, 5, 6, 6, 6, 6]
+    hidden = [(1, 0)] * 3 + [(0, 1)] * 2 + [(2, 0)] * 3 + [(1, 1)] * 4
     view = empty_view(1, 1, 12, 2)
     drops = []
     for step, (token, h) in enumerate(zip(ids, hidden)):
@@ -254,8 +262,8 @@ def test_policy_drops_the_repeated_sentence_whole():
         drops.append(set(view.position[0, 0][evict[0, 0]].tolist()))
         apply(view, evict)
         policy.on_tokens(state, torch.tensor([step]), torch.tensor([token]), torch.tensor([h], dtype=torch.float32))
-    assert drops == [set()] * 5 + [{4}, {5}, {6}, {0, 1, 2}, set()]
-    assert set(view.position[0, 0][view.valid[0, 0]].tolist()) == {3, 7, 8, 9}
+    assert drops == [set()] * 5 + [{4}, {5}, {6}, {7}, {8}, {0, 1, 2}, set()]
+    assert set(view.position[0, 0][view.valid[0, 0]].tolist()) == {3, 9, 10, 11}
     # One redundant span, padded to 4 (a power of two: captured shapes change rarely).
     assert batch.inputs["span_starts"].tolist() == [[0, FAR, FAR, FAR]]
     assert batch.inputs["span_ends"].tolist() == [[2, FAR, FAR, FAR]]

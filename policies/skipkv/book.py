@@ -15,9 +15,14 @@ knows how many sentences a request may have written (its count at the last
 read-back plus the tokens queued since), and grows a range before it could
 overflow: a read-back every `refresh` steps keeps ranges near the real count.
 
-`read` (every `refresh` steps per request, between steps) copies back the
-counts of the due requests in one transfer, and for those whose count
-changed, their redundant sets (computed on the device) in one more.
+`read` (every `refresh` steps per request, between steps) starts copying
+the counts of the due requests to the host in one transfer, and `take`, a
+decode step later, finds the requests whose count changed and starts
+copying their redundant sets (computed on the device) in one more, which
+`take` hands to the requests one step after that. No step waits for the
+GPU (policies/host_reads.py: by then the copies have landed), and the
+steps are the request's own, so its spans change at the same step on
+every device and in every batch.
 
 With a cue table (`cue`, set once a request steers: policies.skipkv.steering)
 the fold also counts, per row, the finished sentences holding a cue token
@@ -30,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from ..host_reads import HostCopy
 from .sentences import RedundantSpans, redundant_sentences
 from .steering import lookup
 
@@ -67,6 +73,10 @@ class RowSentences:
         self.since = 0  # tokens queued since then (each could end a sentence)
         self.spans = RedundantSpans.empty()
         self.closed = False
+        #: (step, HostCopy, index, tokens queued at the read, tau): a count on its way
+        self.counting: Optional[tuple] = None
+        #: (step, HostCopy, offset, sentences): redundant spans on their way
+        self.spanning: Optional[tuple] = None
 
 
 class SentenceBook:
@@ -229,28 +239,49 @@ class SentenceBook:
         return torch.cat(pieces).to(self.device) if len(pieces) > 1 else pieces[0].to(self.device)
 
     # ----- host read-back, every `refresh` steps --------------------------------------
-    def read(self, due: list[tuple[RowSentences, float]]) -> None:
-        """Refresh the redundant spans of the due requests (with their tau)."""
-        due = [(rs, tau) for rs, tau in due if not rs.closed]
+    def read(self, due: list[tuple[RowSentences, float, int]]) -> None:
+        """Start reading back the counts of the due requests, (request, tau,
+        decode step) each, after this step's flush; `take` uses them a step later."""
+        due = [d for d in due if not d[0].closed]
         if not due:
             return
-        counts = self.count[self._index([rs.row for rs, _ in due])].cpu().tolist()  # between steps: allowed
-        changed = [(rs, tau, n) for (rs, tau), n in zip(due, counts) if n != rs.known]
-        for (rs, _), n in zip(due, counts):
-            rs.known, rs.since = n, 0
+        copy = HostCopy(self.count[self._index([rs.row for rs, _, _ in due])])
+        for at, (rs, tau, step) in enumerate(due):
+            rs.counting = (step + 1, copy, at, rs.since, tau)  # the flush folded every queued token
+
+    def take(self, rows: list[tuple[RowSentences, int]]) -> None:
+        """Between steps, (request, decode step) each: hand over the spans
+        due at that step, and compute the redundant sets of the requests
+        whose count due now has changed (on the device; their copy starts)."""
+        changed = []
+        for rs, step in rows:
+            if rs.closed:
+                continue
+            if rs.spanning is not None and rs.spanning[0] <= step:
+                _, copy, at, n = rs.spanning
+                rs.spanning = None
+                flat = copy.tensor()
+                starts, ends, redundant, penalty = (flat[at + i * n:at + (i + 1) * n] for i in range(4))
+                rs.spans = RedundantSpans.of(starts.long(), ends.long(), redundant.bool(), penalty.float())
+            if rs.counting is not None and rs.counting[0] <= step:
+                _, copy, at, since, tau = rs.counting
+                rs.counting = None
+                n = copy.values()[at]
+                rs.since -= since  # the tokens queued after the read stay counted
+                if n != rs.known:
+                    changed.append((rs, tau, n, step))
+                rs.known = n
         if not changed:
             return
         parts = []
-        for rs, tau, n in changed:  # per request, but only every `refresh` steps and only on change
+        for rs, tau, n, _ in changed:  # per request, but only every `refresh` steps and only on change
             lo, hi = rs.base, rs.base + n
             redundant, penalty = redundant_sentences(self.vectors[lo:hi], tau)
             parts += [self.starts[lo:hi].double(), self.ends[lo:hi].double(), redundant.double(), penalty.double()]
-        flat = torch.cat(parts).cpu()  # one transfer for every changed request
-        at = 0
-        for rs, _, n in changed:
-            starts, ends, redundant, penalty = (flat[at + i * n:at + (i + 1) * n] for i in range(4))
+        copy, at = HostCopy(torch.cat(parts)), 0  # one transfer for every changed request
+        for rs, _, n, step in changed:
+            rs.spanning = (step + 1, copy, at, n)
             at += 4 * n
-            rs.spans = RedundantSpans.of(starts.long(), ends.long(), redundant.bool(), penalty.float())
 
 
 def delimiter_table(ids, device) -> Optional[torch.Tensor]:

@@ -15,7 +15,8 @@ folds the queue of every request into the device state at once
 (policies.skipkv.book: no sync), reads the finished-sentence counts back
 every `refresh` decode steps and, when a sentence was finished since, the
 redundant set (decision: refresh 16 by default, so a redundant sentence is
-seen up to 15 steps late; 1 reads every step). The spans reach the
+seen up to 15 steps late; 1 reads every step; each read lands a step later
+without a wait, so the spans change two steps after the read). The spans reach the
 decisions as [R, K] tensors (K padded to a power of two, so that the shapes
 of a captured step change rarely), cached per request between changes.
 
@@ -208,9 +209,10 @@ class SkipKVPolicy(RKVBase):
             row.state.pool_row = row.pool_row
         if self.book is not None:
             self.book.flush()
-            self.book.read([(row.state.sentences, row.state.params.tau) for row in rows
-                            if row.state.sentences is not None and not row.prefill
-                            and row.step % row.state.params.refresh == 0])
+            decoding = [row for row in rows if row.state.sentences is not None and not row.prefill]
+            self.book.take([(row.state.sentences, row.step) for row in decoding])
+            self.book.read([(row.state.sentences, row.state.params.tau, row.step) for row in decoding
+                            if row.step % row.state.params.refresh == 0])
         self._steer(rows)
         spans = [row.state.sentences.spans if row.state.sentences is not None else RedundantSpans.empty()
                  for row in rows]
