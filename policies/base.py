@@ -137,6 +137,12 @@ class Policy:
     #: policy whose select_decode may not (it hands a snapshot to the host):
     #: the steps between its decisions then replay from graphs.
     observe_graph_safe: ClassVar[bool] = False
+    #: Whether the decode pass combines heads through PolicyBatch.heads (a
+    #: collective under tensor parallelism: LongFlow's layer-wide score,
+    #: ThinKV's sparsity mean, CrystalCache's snapshot). Under TP such a
+    #: pass runs eagerly; passes without one replay from graphs there too
+    #: (radix_ext/region_graphs.capturable).
+    crosses_heads: ClassVar[bool] = False
     #: Whether the policy reads the first layer's observations only
     #: (attention, slot state): the other layers compute none for its rows
     #: and skip its observe_decode; select_decode still runs in every layer.

@@ -27,6 +27,7 @@ class LongFlowPolicy(Policy):
     compress_prompt = True
     description = "Static cache: each step the new token overwrites the lowest |p*v| slot of the layer."
     graph_safe = True
+    crosses_heads = True  # its decode pass reduces over every rank's heads
 
     def select_prefill(self, batch, view, obs):
         # Cut the prompt to exactly the budget (window included), layer-wide:

@@ -112,15 +112,23 @@ class HeadShards:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks of a tensor already summed over local heads."""
-        return x if self.size == 1 else self.all_reduce(x.contiguous())
+        return x if self.size == 1 else self.all_reduce(self._outside_capture(x))
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """Mean over the ranks of a mean over local heads (ranks hold equal head counts)."""
-        return x if self.size == 1 else self.all_reduce(x.contiguous()) / self.size
+        return x if self.size == 1 else self.all_reduce(self._outside_capture(x)) / self.size
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's heads, concatenated along `dim` in rank order."""
-        return x if self.size == 1 else self.all_gather(x.contiguous(), dim)
+        return x if self.size == 1 else self.all_gather(self._outside_capture(x), dim)
+
+    @staticmethod
+    def _outside_capture(x: torch.Tensor) -> torch.Tensor:
+        # A policy that reduces over heads must say so (Policy.crosses_heads):
+        # its pass then runs eagerly under TP, never inside a captured graph.
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a collective over heads inside a captured graph: set the policy's crosses_heads")
+        return x.contiguous()
 
     def local(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of an all-heads tensor along `dim`."""

@@ -95,15 +95,18 @@ class KvsieveAttnBackend(AttentionBackend):
             raise ValueError(f"KVSIEVE_DECODE_KERNEL must be 'triton' or 'torch', not {choice!r}")
         self.use_kernel = choice == "triton"
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
-        #: Not under tensor parallelism: LongFlow's and ThinKV's collectives
-        #: have not been captured in a graph and checked on a multi-GPU host.
-        self.graphs = (RegionGraphs(rerun=region_graphs.mode() == "rerun")
-                       if region_graphs.enabled(self.device) and head_parallel.SHARDS.size == 1 else None)
+        #: Under tensor parallelism only for passes without a collective
+        #: (region_graphs.capturable): LongFlow's, ThinKV's and
+        #: CrystalCache's have not been captured and checked on a multi-GPU host.
+        self.graphs = RegionGraphs(rerun=region_graphs.mode() == "rerun") if region_graphs.enabled(self.device) else None
         #: The whole decoder stack of all-compressed decode steps, replayed on
         #: top of the region graphs' entries (KVSIEVE_FORWARD_GRAPHS=0 turns it off).
+        #: Not under tensor parallelism: the model's own all-reduces would
+        #: need SGLang's graph-capture context around the capture.
         self.forward_graphs = None
         decoder = forward_graphs.decoder_of(model_runner.model)
-        if self.graphs is not None and forward_graphs.enabled() and decoder is not None:
+        if (self.graphs is not None and forward_graphs.enabled() and decoder is not None
+                and head_parallel.SHARDS.size == 1):
             self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self.flush_groups)
         #: Policy groups padded to bucketed row counts where graphs replay
         #: (step_meta.row_bucket; KVSIEVE_GRAPH_BUCKETS=0 turns it off).

@@ -20,7 +20,9 @@ ending mostly keep a step's shapes.
 Only policies marked `graph_safe` are captured (and the observing rows of
 those marked `observe_graph_safe`): their decisions are tensor functions of
 (batch, view, obs) whose host-side inputs (shapes, parameter maxima) are
-part of the key. SGLang's own graphs keep running batches
+part of the key. Under tensor parallelism a pass with a collective (a
+policy that `crosses_heads`) runs eagerly; the others replay on every rank.
+SGLang's own graphs keep running batches
 without compressed rows (plugin.graphs_skip_compressed_batches).
 """
 
@@ -34,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from . import metrics
+from . import head_parallel, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +98,13 @@ def step_tensors(step) -> list[torch.Tensor]:
 
 
 def capturable(group) -> bool:
-    """Whether a policy group's per-layer pass may run inside a captured graph."""
+    """Whether a policy group's per-layer pass may run inside a captured
+    graph. Under tensor parallelism not a pass with a collective (its
+    policy crosses_heads): NCCL calls inside these graphs are not captured
+    or checked; the per-head policies' passes make none."""
     policy = group.policy
+    if policy.crosses_heads and head_parallel.SHARDS.size > 1:
+        return False
     return policy.graph_safe or (group.action == "observe" and policy.observe_graph_safe)
 
 

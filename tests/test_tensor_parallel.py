@@ -22,8 +22,11 @@ USAGE = ("private_tokens", "retained_tokens", "evicted_tokens", "eviction_events
 
 @pytest.fixture(scope="module")
 def tp2_server(tiny_llama, tmp_path_factory):
+    # Region graphs in "rerun" mode (a replay runs the captured pass again,
+    # as a CUDA replay would): under TP the per-head policies' passes
+    # replay, the ones with a collective run eagerly.
     server = start_server(tmp_path_factory.mktemp("tp2"), "--model", str(tiny_llama), "--tp-size", "2",
-                          "--max-total-tokens", "4096")
+                          "--max-total-tokens", "4096", env={"KVSIEVE_REGION_GRAPHS": "rerun"})
     yield server
     server.stop()
 
@@ -41,6 +44,29 @@ def test_tp2_equals_tp1_token_for_token_and_counts_usage_once(tp2_server, llama_
     # The counter sums what every request reported, once (not once per rank).
     assert metric(tp2_server, "kvsieve_evicted_tokens_total") == evicted
     assert region_idle(tp2_server)
+    # Per-layer region graphs replayed; the whole-forward graphs stay off under TP.
+    assert metric(tp2_server, "kvsieve_decode_graph_replays_total", graph="region") > 0
+    assert metric(tp2_server, "kvsieve_decode_graph_replays_total", graph="forward") == 0
+
+
+def test_under_tp_only_passes_without_a_collective_are_captured():
+    from types import SimpleNamespace
+
+    from kvsieve.policies import get_policy
+    from kvsieve.policies.observations import HeadShards
+    from kvsieve.radix_ext import head_parallel, region_graphs
+
+    groups = {name: SimpleNamespace(policy=get_policy(name), action="decide") for name in policy_names()}
+    alone = {name for name, g in groups.items() if region_graphs.capturable(g)}
+    saved = head_parallel.SHARDS
+    head_parallel.SHARDS = HeadShards(size=2, rank=0)
+    try:
+        under_tp = {name for name, g in groups.items() if region_graphs.capturable(g)}
+    finally:
+        head_parallel.SHARDS = saved
+    assert {"longflow", "thinkv"} <= alone and "streaming" in under_tp
+    assert under_tp == {name for name in alone if not get_policy(name).crosses_heads}
+    assert not under_tp & {"longflow", "thinkv"}
 
 
 def test_every_registered_policy_has_a_tp_case():

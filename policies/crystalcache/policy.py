@@ -115,6 +115,7 @@ class CrystalCachePolicy(Policy):
     #: observe_decode is tensor work on the view alone; select_decode hands
     #: its snapshot to the host, so only the steps between decisions replay.
     observe_graph_safe = True
+    crosses_heads = True  # its decode pass reduces over every rank's heads
 
     _snap = None  # ([(state, taken)], device tensors) of the last first-layer snapshot, until step_inputs reads it
     _snapped = False  # some request holds a snapshot to run its breath cycle on

@@ -95,6 +95,7 @@ class ThinKVPolicy(Policy):
     #: unless a recent step had them; the steps between cuts only record
     #: sparsity and replay one graph.
     graph_safe = True
+    crosses_heads = True  # its decode pass reduces over every rank's heads
     #: select_decode on a row that cuts nothing is its observe_decode: the
     #: row's targets are _NO_TARGET and it lists no segment.
     pads_decisions = True
