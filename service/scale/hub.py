@@ -18,8 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 STALE_AFTER_S = 10.0
 
 
-#: An ingress that has not reported for this long is gone.
+#: An ingress whose last report is older than this is not known to be
+#: drained (a loaded machine can delay a report by seconds)...
 INGRESS_STALE_S = 5.0
+#: ...and one silent for this long is gone (killed, scaled down).
+INGRESS_GONE_S = 30.0
 
 #: Seconds between two reads of Serve's replica states of the engine deployment.
 STATES_EVERY_S = 1.0
@@ -75,10 +78,15 @@ class MetricsHub:
         return None if self._drain_at is None else max(0.0, self._drain_at - time.monotonic())
 
     def drain_status(self) -> dict:
+        """Ingresses known, those known to be draining, their requests in
+        flight. A late report counts as not draining: an ingress whose
+        reports were delayed (it held the only long streams, say) used to
+        drop out of the count, and the stop deleted the app under it."""
         now = time.monotonic()
-        live = {i: (d, n) for i, (stamp, d, n) in self._ingresses.items() if now - stamp <= INGRESS_STALE_S}
-        return {"ingresses": len(live), "draining": sum(d for d, _ in live.values()),
-                "in_flight": sum(n for _, n in live.values())}
+        known = [v for v in self._ingresses.values() if now - v[0] <= INGRESS_GONE_S]
+        return {"ingresses": len(known),
+                "draining": sum(d and now - stamp <= INGRESS_STALE_S for stamp, d, _ in known),
+                "in_flight": sum(n for _, _, n in known)}
 
     def push(self, replica: str, text: str) -> None:
         self._texts[replica] = (time.monotonic(), text)
