@@ -110,23 +110,25 @@ def sentence_ends(model_dir, token_ids):
 def test_skipkv_drops_a_redundant_generated_sentence_whole(llama_server, tiny_llama):
     # The tiny model's greedy output for this prompt has two sentences early
     # on (found from `full`'s output, d1 < d2 their last tokens). With tau -1
-    # every finished sentence but the last is redundant. Budget d2 + 1: the
-    # head first goes over at decode step d2 + 1 (tokens 0..d2+1 held), after
-    # S2 ended (refresh 1 reads it at that step), so nothing was evicted
+    # every finished sentence but the last is redundant. Refresh 1 reads S2's
+    # end at decode step d2 + 1; the redundant spans reach the decision two
+    # steps later (the read-backs wait for no GPU: policies/host_reads.py).
+    # Budget d2 + 3: the head first goes over at decode step d2 + 3 (tokens
+    # 0..d2+3 held), when the spans are there, so nothing was evicted
     # before and S1 = tokens 0..d1 is then dropped whole: d1 + 1 tokens, far
     # more than the one token the budget asked for. rkv at the same budget
     # evicts one token per step from there (buffer 1: both decide every step).
     prompt = [27, 301, 12, 44]
     full = complete(llama_server, prompt, "full", max_tokens=48)["choices"][0]["token_ids"]
     ends = sentence_ends(tiny_llama, full)
-    assert len(ends) >= 2 and ends[1] - ends[0] > 8, ends  # S1 outside the protected window of 8
+    assert len(ends) >= 2 and ends[1] - ends[0] > 8 and ends[0] >= 2, ends  # S1 outside the protected window of 8
     d1, d2 = ends[:2]
-    M = d2 + 3
-    policy = {"name": "skipkv", "budget": d2 + 1, "params": {"tau": -1.0, "refresh": 1, "buffer": 1}}
+    M = d2 + 5
+    policy = {"name": "skipkv", "budget": d2 + 3, "params": {"tau": -1.0, "refresh": 1, "buffer": 1}}
     out = complete(llama_server, prompt, policy, max_tokens=M)
-    assert out["choices"][0]["token_ids"][:d2 + 2] == full[:d2 + 2]  # identical until the first eviction
+    assert out["choices"][0]["token_ids"][:d2 + 4] == full[:d2 + 4]  # identical until the first eviction
     kv = out["kv_usage"]
     assert kv["evicted_tokens"] == d1 + 1 and kv["eviction_events"] > 0
-    rkv = complete(llama_server, prompt, {"name": "rkv", "budget": d2 + 1, "params": {"buffer": 1}},
+    rkv = complete(llama_server, prompt, {"name": "rkv", "budget": d2 + 3, "params": {"buffer": 1}},
                    max_tokens=M)["kv_usage"]
     assert rkv["evicted_tokens"] < d1 + 1

@@ -68,9 +68,11 @@ def test_an_aborted_tbq_request_returns_every_page_and_shows_in_the_metrics(llam
                 json.loads(line[6:])
                 chunks += 1
             if chunks >= 60:
-                # In flight: quantized pages held, bits per element below full precision.
+                # In flight: quantized pages held, bits per element below full
+                # precision. The gauges refresh about once a second: a refresh
+                # from the request's first 16 tokens (no group flushed yet) reads 16.
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and not bits:
+                while time.monotonic() < deadline and not 0 < bits < 16:
                     bits = metric(llama_server, "kvsieve_retained_kv_bits_per_element", policy="thinkv")
                     time.sleep(0.3)
                 used = metric(llama_server, "kvsieve_region_quantized_pages", state="used")
