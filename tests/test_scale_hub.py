@@ -3,13 +3,15 @@ when is every ingress known to be drained. The Ray Serve path around it
 runs in tests/test_scale_ray.py; the hub is made here without its Serve
 watcher thread, the one part this test is not about."""
 
+from types import SimpleNamespace
+
 from kvsieve.service.scale import hub as hub_module
 from kvsieve.service.scale.hub import INGRESS_GONE_S, MetricsHub
 
 
 def test_a_late_ingress_report_keeps_the_drain_waiting(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(hub_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hub_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # the hub's clock only
     hub = MetricsHub.__new__(MetricsHub)
     hub._ingresses, hub._drain_at = {}, None
     hub.begin_drain(6)
