@@ -6,12 +6,8 @@ other servers)."""
 import time
 
 import httpx
-import psutil
 
-
-def tree_cpu_seconds(pid: int) -> float:
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    return sum(sum(p.cpu_times()[:2]) for p in procs)
+from helpers.procs import tree_cpu_seconds
 
 
 def test_an_idle_server_uses_almost_no_cpu(llama_server):

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import KVSIEVE, free_port, kvsieve_cli
+from helpers.procs import tree_cpu_seconds
 from kvsieve.service.config import load_settings
 from kvsieve.service.scale.application import engine_deployment_options
 from kvsieve.service.scale.hub import STALE_AFTER_S
@@ -217,18 +218,6 @@ def test_api_and_metrics_per_replica(ray_service):
                for f in text_string_to_metric_families(text))
     assert metric_samples(text, "kvsieve_engine_replicas")[0].value == 2
     assert metric_samples(text, "kvsieve_store_up")[0].value == 1
-
-
-def tree_cpu_seconds(proc: psutil.Process) -> float:
-    """CPU time of a process and its descendants (an engine replica and its SGLang processes)."""
-    total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def generating(procs: list[psutil.Process], deadline: float, busy: float = 0.2) -> psutil.Process:
