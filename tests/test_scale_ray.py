@@ -134,24 +134,40 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSIEVE_STORE__URL": session_redis.url}
     created = kvsieve_cli("keys", "create", "ray-tests", "--rate", "1000", "--burst", "1000", env=env)
     assert created.returncode == 0, created.stderr
-    port = free_port()
-    log_path = workdir / "serve.log"
-    proc = subprocess.Popen([KVSIEVE, "serve", "--model", str(tiny_llama), "--config", str(config),
-                             "--port", str(port)], stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
-    service = RayService(proc, f"http://127.0.0.1:{port}", log_path, env, created.stdout.strip())
+    for attempt in range(3):
+        port = free_port()
+        log_path = workdir / f"serve-{attempt}.log"
+        proc = subprocess.Popen([KVSIEVE, "serve", "--model", str(tiny_llama), "--config", str(config),
+                                 "--port", str(port)], stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        service = RayService(proc, f"http://127.0.0.1:{port}", log_path, env, created.stdout.strip())
+        try:
+            service.wait_for_replicas(2, START_TIMEOUT_S)
+            break
+        except RuntimeError:
+            # free_port's port may be taken by another process before Ray's
+            # proxy binds it (CI: "Address already in use"): a new port.
+            _stop(proc)
+            if attempt == 2 or "Address already in use" not in service.log():
+                raise
     try:
-        service.wait_for_replicas(2, START_TIMEOUT_S)
         yield service
     finally:
-        if proc.poll() is None:  # the drain test stops it; otherwise stop it here
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(proc)  # the drain test stops it itself
 
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of its Ray processes is left
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _stream(s: RayService, body: dict, out: dict, started: threading.Event | None = None) -> None:
