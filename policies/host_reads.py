@@ -1,10 +1,11 @@
 """Reading device values on the host without waiting for the GPU.
 
 A policy whose host state follows device values (crystal_kv's end-of-think
-marker, thinkv's thought types, skipkv's sentences) used to read them with `.tolist()` between steps: each read waits
-for every kernel queued before it, so the host could not prepare step N+1
-while the GPU ran step N (SGLang's overlap scheduler), and one read per
-request made it hundreds of waits a step.
+marker, thinkv's thought types, skipkv's sentences) used to read them with
+`.tolist()` between steps: each read waits for every kernel queued before
+it, so the host could not prepare step N+1 while the GPU ran step N
+(SGLang's overlap scheduler), and one read per request made it hundreds of
+waits a step.
 
 A `HostCopy` starts the copy to pinned host memory where the value is made
 (inside the forward, on its stream) and records an event behind it. The
