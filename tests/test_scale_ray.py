@@ -124,7 +124,10 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
         f"ray:\n  replicas: 2\n  ingress_replicas: 2\n  num_cpus_per_replica: 1\n  routing: prefix\n"
         f"  graceful_shutdown_timeout_s: {GRACE_S}\n  health_check_period_s: 2\n"
         "auth:\n  enabled: true\n"
-        "limits:\n  max_tokens: 2000\n  request_timeout_s: 300\n"
+        # request_timeout_s: far past any stream here; under CI's load the drain
+        # test's streams can start minutes apart, and one that reached the
+        # timeout before the drain's deadline rightly ended in a 504.
+        "limits:\n  max_tokens: 2000\n  request_timeout_s: 1800\n"
         # timeout_s: a slow Redis answer on a loaded machine is not an outage here
         "store:\n  refresh_interval_s: 0.2\n  timeout_s: 5\n"
         "engine:\n  max_total_tokens: 16384\n"
@@ -415,7 +418,7 @@ def test_stop_drains_then_aborts(ray_service):
     for o in longs:
         assert o["done"] and (o["finish"] == "length") != (o["error"] is not None), o
     for o in aborted:  # past the grace: an error event, then [DONE]
-        assert o["error"]["code"] == "server_shutting_down", o
+        assert o["error"]["code"] == "server_shutting_down", (o, o.get("ended", 0) - signalled)
         assert GRACE_S - 1 <= o["ended"] - signalled <= GRACE_S + 10, o["ended"] - signalled
     assert s.proc.wait(timeout=GRACE_S + 120) == 0, s.log()[-5000:]
     print(f"kvsieve serve exited {time.monotonic() - signalled:.1f} s after SIGTERM")
