@@ -54,6 +54,27 @@ def test_the_grid_runs_through_the_engine_resumes_and_reports(llama_server, tiny
     assert again.returncode == 0, again.stderr[-3000:]
     assert "0 requests run, 15 already done" in again.stderr
 
+    # Several cells in one batch, from an items file built by the first run
+    # of it and read back by the next (a host without reasoning-gym).
+    items = tmp_path / "items.json"
+    batched = tmp_path / "eval-batched.json"
+    run_batched = [*run[:2], str(batched), *run[3:], "--concurrency", "4", "--items-file", str(items)]
+    third = _harness(*run_batched)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "15 requests run, 0 already done, 0 answered with an error" in third.stderr
+    saved = json.loads(items.read_text())
+    assert saved["items"] == data["items"]
+    data2 = json.loads(batched.read_text())
+    assert data2["meta"]["concurrency"] == 4 and "(server on CPU)" in data2["meta"]["machine"]
+    assert set(data2["cells"]) == set(data["cells"])
+    for key, cell in data2["cells"].items():
+        assert cell["done"] and set(cell["records"]) == set(data["cells"][key]["records"])
+        assert all("error" not in rec for rec in cell["records"].values())
+    items_before = items.read_text()
+    other = _harness(*[a if a != "2" else "3" for a in run_batched])  # --math 3: another config
+    assert other.returncode == 2 and "another config" in other.stderr, other.stderr[-2000:]
+    assert items.read_text() == items_before
+
     # Report: tables with fidelity against ref and full, and the plots.
     plots = tmp_path / "plots"
     md = tmp_path / "tables.md"

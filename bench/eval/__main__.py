@@ -52,7 +52,12 @@ def run_parser(sub) -> None:
     p.add_argument("--compress-prompt", choices=["task", "always"], default="task",
                    help="task: the needle and DA prompts are compressed, math follows each policy's default; "
                         "always: every task's prompt is compressed")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1: solo)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight (default 1: solo); above 1 the requests of several cells share a "
+                        "batch (every cell's items are queued in grid order)")
+    p.add_argument("--items-file", help="the built items as JSON: read when it exists (the same tasks and "
+                                        "config), else built and written (a host without reasoning-gym "
+                                        "runs from a file made elsewhere)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for kvsieve serve (repeatable), e.g. --serve-arg=--context-length=8192")
 
@@ -62,9 +67,9 @@ def run(args) -> int:
 
     from kvsieve.policies import policy_names
 
-    from .runner import Results, new_meta, parse_budget, plan, run_grid, total_items
+    from .runner import Results, new_meta, parse_budget, plan, run_grid, serve_device, total_items
     from .server import Client, serve
-    from .tasks import TaskConfig, build_items
+    from .tasks import TaskConfig, load_or_build_items
 
     tasks = _csv(args.tasks)
     policies = policy_names() if args.policies == "all" else _csv(args.policies)
@@ -92,13 +97,19 @@ def run(args) -> int:
                      needle_lengths=args.needle_lengths, needle_depths=args.needle_depths,
                      needle_reps=args.needle_reps, da_distances=args.da_distances, da_samples=args.da_samples,
                      seed=args.seed, compress_prompt=args.compress_prompt)
-    items = build_items(tasks, cfg, lambda s: len(tok.encode(s, add_special_tokens=False)))
+    try:
+        items = load_or_build_items(args.items_file, tasks, cfg,
+                                    lambda s: len(tok.encode(s, add_special_tokens=False)))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     cells = plan(tasks, policies, budgets)
     command = "python -m bench.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     def go(url: str, cells=cells) -> int:
         client = Client(url)
-        results = Results(Path(args.out), new_meta(client.model, model_dir, cfg.to_json(), command, args.concurrency))
+        results = Results(Path(args.out), new_meta(client.model, model_dir, cfg.to_json(), command, args.concurrency,
+                                                   serve_device(args.serve_arg)))
         with tqdm(total=total_items(items, cells), desc="eval grid", unit="req", file=sys.stderr,
                   dynamic_ncols=True) as bar:
             counts = run_grid(client, results, items, cells, args.concurrency, progress=bar.update,

@@ -28,7 +28,7 @@ import math
 import os
 import platform
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -63,7 +63,8 @@ def cell_key(task: str, policy: str, budget: str) -> str:
     return f"{task}|{policy}|{budget}"
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    """The host's CPU, and its GPUs where the server runs on them."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -72,7 +73,32 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{model}, {len(os.sched_getaffinity(0))} cores usable, {platform.system()} (CPU, no GPU)"
+    host = f"{model}, {len(os.sched_getaffinity(0))} cores usable, {platform.system()}"
+    if device != "cuda":
+        return f"{host} (server on CPU)"
+    return f"{host}; server on {', '.join(gpu_names()) or 'a GPU (nvidia-smi not found)'}"
+
+
+def gpu_names() -> list[str]:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def serve_device(serve_args: list[str]) -> str:
+    """The device `kvsieve serve` runs on, from the harness's --serve-arg list."""
+    device = "cpu"
+    for i, arg in enumerate(serve_args):
+        if arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+        elif arg == "--device" and i + 1 < len(serve_args):
+            device = serve_args[i + 1]
+    return device
 
 
 class Results:
@@ -191,44 +217,67 @@ def make_record(item: Item, kv_policy: dict, resp: dict) -> dict:
 def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list[Cell],
              concurrency: int = 1, progress: Optional[Callable[[int], None]] = None,
              on_cell: Optional[Callable[[Cell], None]] = None, compress_mode: str = "task") -> dict[str, int]:
-    """Run every missing (cell, item); returns counts {ran, skipped, errors}."""
+    """Run every missing (cell, item); returns counts {ran, skipped, errors}.
+    Solo (concurrency 1), cell after cell; otherwise every cell's items go
+    to one queue in grid order, so a GPU batch holds several cells at once
+    and a cell's slowest item does not idle the others."""
     counts = {"ran": 0, "skipped": 0, "errors": 0}
     results.data["items"] = {t: [i.to_json() for i in its] for t, its in items.items()}
-    pool = ThreadPoolExecutor(max_workers=concurrency) if concurrency > 1 else None
+    work: list[tuple[Cell, Item]] = []
+    left: dict[str, int] = {}  # cell key -> items not yet recorded
+    for cell in cells:
+        entry = results.cell(cell.key)
+        entry.update(task=cell.task, policy=cell.policy, budget=cell.budget)
+        todo = [i for i in items[cell.task] if i.id not in entry["records"]]
+        counts["skipped"] += len(items[cell.task]) - len(todo)
+        if progress:
+            progress(len(items[cell.task]) - len(todo))
+        if not todo:
+            entry["done"] = True
+        left[cell.key] = len(todo)
+        work += [(cell, i) for i in todo]
+
+    def one(job: tuple[Cell, Item]) -> tuple:
+        cell, item = job
+        full = results.cell(cell_key(cell.task, "full", "-"))["records"].get(item.id)
+        return request_item(client, cell, item, full, compress_mode)
+
+    def record(cell: Cell, item: Item, kv_policy: dict, resp: dict) -> None:
+        entry = results.cell(cell.key)
+        rec = make_record(item, kv_policy, resp)
+        entry["records"][item.id] = rec
+        counts["ran"] += 1
+        counts["errors"] += "error" in rec
+        left[cell.key] -= 1
+        if left[cell.key] == 0:
+            entry["done"] = True
+        results.save()
+        if progress:
+            progress(1)
+
+    if concurrency <= 1:
+        current = None
+        for cell, item in work:
+            if on_cell and cell.key != current:
+                current = cell.key
+                on_cell(cell)
+            record(cell, item, *one((cell, item)))
+        results.save()
+        return counts
+    pool = ThreadPoolExecutor(max_workers=concurrency)
     try:
-        for cell in cells:
+        futures = {pool.submit(one, job): job for job in work}
+        for future in as_completed(futures):
+            cell, item = futures[future]
             if on_cell:
                 on_cell(cell)
-            entry = results.cell(cell.key)
-            entry.update(task=cell.task, policy=cell.policy, budget=cell.budget)
-            full_records = results.cell(cell_key(cell.task, "full", "-"))["records"]
-            todo = [i for i in items[cell.task] if i.id not in entry["records"]]
-            counts["skipped"] += len(items[cell.task]) - len(todo)
-            if progress:
-                progress(len(items[cell.task]) - len(todo))
-
-            def one(item: Item) -> tuple:
-                return request_item(client, cell, item, full_records.get(item.id), compress_mode)
-
-            outputs = pool.map(one, todo) if pool else map(one, todo)
-            for item, (kv_policy, resp) in zip(todo, outputs):
-                record = make_record(item, kv_policy, resp)
-                entry["records"][item.id] = record
-                counts["ran"] += 1
-                counts["errors"] += "error" in record
-                results.save()
-                if progress:
-                    progress(1)
-            entry["done"] = True
-            results.save()
+            record(cell, item, *future.result())  # graded here, in the main thread
     except BaseException:
-        if pool:  # stopping (SIGTERM, an error): leave the requests in flight behind
-            pool.shutdown(wait=False, cancel_futures=True)
-            pool = None
+        # stopping (SIGTERM, an error): leave the requests in flight behind
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
-    finally:
-        if pool:
-            pool.shutdown()
+    pool.shutdown()
+    results.save()
     return counts
 
 
@@ -236,10 +285,11 @@ def total_items(items: dict[str, list[Item]], cells: list[Cell]) -> int:
     return sum(len(items[c.task]) for c in cells)
 
 
-def new_meta(model: str, model_dir: Optional[str], tasks_config: dict, command: str, concurrency: int) -> dict:
+def new_meta(model: str, model_dir: Optional[str], tasks_config: dict, command: str, concurrency: int,
+             device: str = "cpu") -> dict:
     return {
         "model": model, "model_dir": model_dir, "tasks_config": tasks_config, "command": command,
-        "concurrency": concurrency, "machine": machine(),
+        "concurrency": concurrency, "machine": machine(device),
         "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "greedy": True, "time": time.time(),
     }

@@ -16,7 +16,9 @@ from typing import Iterator, Optional
 
 import httpx
 
-KVSIEVE = str(Path(sys.executable).with_name("kvsieve"))
+# The CLI as this interpreter's module: also where the package was installed
+# with `pip --target` and its `kvsieve` script is on no PATH (the GPU host).
+KVSIEVE = [sys.executable, "-m", "kvsieve.service.cli"]
 ROOT = Path(__file__).resolve().parents[2]  # bench.eval's modules import from the checkout
 
 
@@ -35,7 +37,7 @@ def serve(model_dir: Optional[str], extra_args: tuple[str, ...] = (), timeout: f
     log_path = Path(log_path or Path(tempfile.gettempdir()) / f"kvsieve-eval-serve-{port}.log")
     # patient_engine: SGLang's scheduler watchdog waits an hour, not 300 s (a
     # stalled forward on a loaded CPU would kill the server mid-grid).
-    args = [KVSIEVE, "serve", "--port", str(port), "--log-level", "warning",
+    args = [*KVSIEVE, "serve", "--port", str(port), "--log-level", "warning",
             "--policy-module", "bench.eval.patient_engine", *extra_args]
     if model_dir:
         args += ["--model", str(model_dir)]

@@ -256,3 +256,25 @@ def build_items(tasks: list[str], cfg: TaskConfig, count_tokens: Optional[Callab
         else:
             raise ValueError(f"unknown task {task!r} (tasks: math, needle, da)")
     return out
+
+
+def load_or_build_items(path: Optional[str], tasks: list[str], cfg: TaskConfig,
+                        count_tokens: Optional[Callable[[str], int]]) -> dict[str, list[Item]]:
+    """build_items, kept in `path` (JSON) when given: read back when the file
+    holds the same tasks and config, else built and written there."""
+    import json
+    from pathlib import Path
+
+    if path is None:
+        return build_items(tasks, cfg, count_tokens)
+    file = Path(path)
+    if file.exists():
+        saved = json.loads(file.read_text())
+        if saved.get("config") != cfg.to_json() or sorted(saved.get("items", {})) != sorted(tasks):
+            raise ValueError(f"{file}: built for other tasks or another config; delete it or use another "
+                             f"--items-file")
+        return {t: [Item(**i) for i in saved["items"][t]] for t in tasks}
+    items = build_items(tasks, cfg, count_tokens)
+    file.write_text(json.dumps({"config": cfg.to_json(), "items": {t: [i.to_json() for i in its]
+                                                                  for t, its in items.items()}}))
+    return items
