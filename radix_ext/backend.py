@@ -379,7 +379,10 @@ class KvsieveAttnBackend(AttentionBackend):
                 decide = group.policy.select_decode if deciding else group.policy.observe_decode
             with span(f"kvsieve.{'decide' if deciding else 'observe'}.{group.policy.name}"):
                 chosen = decide(batch, sub, obs if whole else obs.rows(g))
-            if group.policy.keeps_slot_state:
+            # No slot state in the view on a layer where none is kept (a
+            # first-layer observer such as crystalcache deciding later on):
+            # nothing to write back.
+            if group.policy.keeps_slot_state and view.score is not None:
                 if whole:
                     view.score, view.last_hit = sub.score, sub.last_hit
                 else:

@@ -18,7 +18,9 @@ import httpx
 
 # The CLI as this interpreter's module: also where the package was installed
 # with `pip --target` and its `kvsieve` script is on no PATH (the GPU host).
-KVSIEVE = [sys.executable, "-m", "kvsieve.service.cli"]
+# -P: the checkout's own kvsieve/ (a stub the editable install maps) must not
+# shadow an installed package from the working directory.
+KVSIEVE = [sys.executable, "-P", "-m", "kvsieve.service.cli"]
 ROOT = Path(__file__).resolve().parents[2]  # bench.eval's modules import from the checkout
 
 
@@ -45,7 +47,7 @@ def serve(model_dir: Optional[str], extra_args: tuple[str, ...] = (), timeout: f
         # A measurement waits for slow requests rather than losing them to the
         # server's default 600 s request timeout (a shared 2-core CPU is slow).
         base = {"KVSIEVE_LIMITS__REQUEST_TIMEOUT_S": "86400", **os.environ, "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+                "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT)) if p)}
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**base, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
