@@ -3,6 +3,8 @@ run the Triton decode kernel (through Triton's interpreter), as they do on a
 GPU. Greedy outputs equal the PyTorch-reference server's and `full`'s where
 the budget covers everything."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -40,3 +42,27 @@ def test_the_kernel_path_matches_the_reference_path(kernel_server, llama_server)
     assert with_kernel == reference
     # Budgets covering the whole generation give `full`'s tokens.
     assert with_kernel[1] == with_kernel[2] == with_kernel[3] == with_kernel[0]
+
+
+def test_crystalcache_decides_beside_another_policy_in_one_decode_batch(kernel_server):
+    """crystalcache observes the first layer only but decides on every layer
+    at its breath cycle; beside rows of a policy that keeps no slot state
+    (not the whole batch), the kernel path's view of a later layer holds
+    none, and writing it back crashed the scheduler (the GPU grid, 512
+    mixed requests)."""
+    policies = [{"name": "crystalcache", "budget": 64, "params": {"sinks": 2, "recent": 16, "breath": 4}},
+                {"name": "streaming", "budget": 12}]  # keeps no slot state either
+
+    def run(policy):
+        return httpx.post(f"{kernel_server.url}/v1/completions", timeout=300, json={
+            "model": kernel_server.model, "prompt": list(range(100, 220)), "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "kv_policy": policy})
+
+    with ThreadPoolExecutor(len(policies)) as pool:
+        answers = list(pool.map(run, policies))
+    for r in answers:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+    usage = [r.json()["kv_usage"] for r in answers]
+    assert usage[0]["policy"] == "crystalcache" and usage[0]["evicted_tokens"] > 0
+    assert usage[1]["evicted_tokens"] > 0

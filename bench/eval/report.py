@@ -58,7 +58,8 @@ def accuracy_tables(data: dict, cells: list[dict]) -> str:
                      f"{_pct(full.get('accuracy')) if full else '–'}, mean output "
                      f"{_num(full.get('completion_tokens'), 0) if full else '–'} tokens, prompt "
                      f"{_num(full.get('prompt_tokens'), 0) if full else '–'} tokens. "
-                     "Each cell: accuracy (KV held at the end / full run's KV).")
+                     "Each cell: accuracy (KV held at the end / full run's KV); a cell cut short names "
+                     "its items and `full`'s accuracy on the same items.")
         lines.append("")
         lines.append("| policy | " + " | ".join(f"`{b}`" for b in budgets) + " |")
         lines.append("| --- |" + " --- |" * len(budgets))
@@ -71,7 +72,8 @@ def accuracy_tables(data: dict, cells: list[dict]) -> str:
                 elif "accuracy" not in c:
                     cols.append("error")
                 else:
-                    partial = "" if c["n"] >= n_items else f" ({c['n']}/{n_items})"
+                    partial = "" if c["n"] >= n_items else \
+                        f" ({c['n']}/{n_items}; full {_pct(c.get('full_accuracy_same_items'))} on them)"
                     cols.append(f"{_pct(c['accuracy'])} ({_pct(c.get('kv_fraction'))}){partial}")
             lines.append(f"| {policy} | " + " | ".join(cols) + " |")
         lines.append("")
@@ -113,7 +115,19 @@ def _policy_styles(policies: list[str]) -> dict:
     return {p: (cmap(i % 10), markers[i % len(markers)]) for i, p in enumerate(sorted(policies))}
 
 
+#: Fewest answered items for a cell cut short to be plotted (relative accuracy).
+MIN_ITEMS_RELATIVE = 20
+
+
+def _machine_short(meta: dict) -> str:
+    machine = meta.get("machine", "")
+    return machine.split("server on ", 1)[1] if "server on " in machine else machine[:60]
+
+
 def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
+    """Accuracy vs KV held, a line per policy. Where a cell was cut short
+    (it holds the items that ended first), every point is accuracy over
+    `full`'s on the same items, so that cells of different items compare."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,26 +135,37 @@ def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
 
     tasks = [t for t in ("math", "needle", "da") if any(c["task"] == t for c in cells)]
     styles = _policy_styles(list({c["policy"] for c in cells if c["policy"] != "full"}))
+    relative = any(not c["done"] and "accuracy" in c and c["policy"] != "full" for c in cells)
+
+    def y(c: dict) -> Optional[float]:
+        if not relative:
+            return c["accuracy"]
+        base = c.get("full_accuracy_same_items")
+        if not base or c["n"] - c["errors"] < MIN_ITEMS_RELATIVE:
+            return None  # a ratio over a handful of items is noise
+        return c["accuracy"] / base
+
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rows = [c for c in cells if c["task"] == task and "accuracy" in c]
         full = next((c for c in rows if c["policy"] == "full"), None)
         if full:
-            ax.axhline(full["accuracy"], color="black", ls="--", lw=1, label="full")
+            ax.axhline(1.0 if relative else full["accuracy"], color="black", ls="--", lw=1, label="full")
         for policy, (color, marker) in styles.items():
-            pts = sorted((c["kv_fraction"], c["accuracy"]) for c in rows
-                         if c["policy"] == policy and c["budget"] != "ref" and c.get("kv_fraction") is not None)
+            pts = sorted((c["kv_fraction"], y(c)) for c in rows
+                         if c["policy"] == policy and c["budget"] != "ref" and c.get("kv_fraction") is not None
+                         and y(c) is not None)
             if pts:
                 ax.plot(*zip(*pts), marker=marker, color=color, label=policy, lw=1.2, ms=5, alpha=0.85)
         _percent_log_axis(ax)
         ax.set_xlabel("KV held at the end / full run's KV (log)")
-        ax.set_ylabel("accuracy")
-        ax.set_ylim(-0.03, 1.03)
+        ax.set_ylabel("accuracy / full's on the same items" if relative else "accuracy")
+        ax.set_ylim(-0.03, max([1.03, *(y(c) or 0 for c in rows)]) + 0.05 if relative else 1.03)
         ax.set_title(TASK_TITLES.get(task, task), fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{meta.get('model')}: accuracy vs KV budget through kvsieve serve "
-                 f"({meta.get('machine', '')[:60]}, {meta.get('started', '')})", fontsize=9)
+    fig.suptitle(f"{meta.get('model')}: accuracy vs KV budget through kvsieve serve\n"
+                 f"({_machine_short(meta)}, {meta.get('started', '')})", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

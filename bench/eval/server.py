@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,12 +77,24 @@ def serve(model_dir: Optional[str], extra_args: tuple[str, ...] = (), timeout: f
 
 
 class Client:
-    """Chat completions against a kvsieve server, greedy, with token ids."""
+    """Chat completions against a kvsieve server, greedy, with token ids.
+    One HTTP connection per thread: a shared httpx.Client under hundreds of
+    threads failed reads with EBADF (the GPU grid, 512 in flight)."""
 
     def __init__(self, url: str, timeout: float = 1800):
         self.url = url.rstrip("/")
-        self.http = httpx.Client(timeout=timeout)
+        self.timeout = timeout
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
         self.model = self.http.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    @property
+    def http(self) -> httpx.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx.Client(timeout=self.timeout)
+            self._clients.append(client)
+        return client
 
     def chat(self, messages: list[dict], max_tokens: int, kv_policy) -> dict:
         """The response body (status 200) or {"error": ..., "status": code}."""
@@ -97,4 +110,5 @@ class Client:
         return data
 
     def close(self) -> None:
-        self.http.close()
+        for client in self._clients:
+            client.close()

@@ -71,6 +71,10 @@ def summarize_cell(data: dict, key: str) -> dict:
     if not ok:
         return out
     out["accuracy"] = mean(r["correct"] for r in ok.values())
+    # `full` on the same items: a cell cut short holds the items that ended
+    # first (the short generations), so its accuracy compares with this.
+    same = [full[i]["correct"] for i in ok if i in full and "error" not in full[i]]
+    out["full_accuracy_same_items"] = mean(same) if same else None
     out["completion_tokens"] = mean(r["usage"]["completion_tokens"] for r in ok.values())
     out["prompt_tokens"] = mean(r["usage"]["prompt_tokens"] for r in ok.values())
     out["evicted_tokens"] = mean(r["kv_usage"].get("evicted_tokens", 0) for r in ok.values())
