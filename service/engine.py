@@ -55,7 +55,29 @@ class EngineSettings:
             if value is not None:
                 kwargs[name] = value
         kwargs.update(self.extra)
+        kwargs.update(sglang_overrides())  # last: the operator's explicit choice
         return kwargs
+
+
+#: JSON object of further sglang.Engine arguments (SGLang's ServerArgs
+#: names), for what kvsieve's settings do not cover, e.g.
+#: '{"cuda_graph_backend_prefill": "disabled"}' (no prefill graph capture at start).
+SGLANG_ARGS_ENV = "KVSIEVE_SGLANG_ARGS"
+
+
+def sglang_overrides() -> dict:
+    import json
+
+    raw = os.environ.get(SGLANG_ARGS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{SGLANG_ARGS_ENV}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"{SGLANG_ARGS_ENV}: want a JSON object of sglang.Engine arguments, got {raw!r}")
+    return value
 
 
 def prepare_process_environment(device: str, tp_size: int = 1) -> None:

@@ -76,8 +76,7 @@ def serve(args) -> None:
         dtype=args.dtype,
         log_level=args.log_level,
         tp_size=args.tp_size,
-        extra={**({"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}),
-               **sglang_overrides()},
+        extra={"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {},
     ))
     logger.warning("engine up in %.1f s: %s (context %d)", time.monotonic() - started, model_name, engine.context_length)
     try:
@@ -95,23 +94,3 @@ def serve(args) -> None:
         engine.shutdown()
         logger.warning("engine shut down")
 
-
-#: JSON object of further sglang.Engine arguments (SGLang's ServerArgs
-#: names), for what kvsieve's settings do not cover, e.g.
-#: '{"cuda_graph_backend_prefill": "disabled"}' (no prefill graph capture at start).
-SGLANG_ARGS_ENV = "KVSIEVE_SGLANG_ARGS"
-
-
-def sglang_overrides() -> dict:
-    import json
-
-    raw = os.environ.get(SGLANG_ARGS_ENV, "").strip()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"{SGLANG_ARGS_ENV}: not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise SystemExit(f"{SGLANG_ARGS_ENV}: want a JSON object of sglang.Engine arguments, got {raw!r}")
-    return value

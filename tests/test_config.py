@@ -63,3 +63,16 @@ def test_serve_refuses_bad_settings_before_starting(tmp_path):
     assert "engine.model" in done.stderr and "server.port" in done.stderr
     missing = kvsieve_cli("serve", "--config", str(tmp_path / "absent.yaml"), timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_sglang_arguments_pass_through_as_one_json_object(monkeypatch):
+    from kvsieve.service.engine import SGLANG_ARGS_ENV, sglang_overrides
+
+    monkeypatch.delenv(SGLANG_ARGS_ENV, raising=False)
+    assert sglang_overrides() == {}
+    monkeypatch.setenv(SGLANG_ARGS_ENV, '{"cuda_graph_backend_prefill": "disabled", "mem_fraction_static": 0.5}')
+    assert sglang_overrides() == {"cuda_graph_backend_prefill": "disabled", "mem_fraction_static": 0.5}
+    for bad in ("[1]", "{not json"):
+        monkeypatch.setenv(SGLANG_ARGS_ENV, bad)
+        with pytest.raises(SystemExit, match=SGLANG_ARGS_ENV):
+            sglang_overrides()
