@@ -91,3 +91,47 @@ def test_bad_budgets_and_policies_are_refused_before_anything_runs(tmp_path, tin
     bad = _harness("run", "--out", str(tmp_path / "x.json"), "--model", str(tiny_llama), "--policies", "nope")
     assert bad.returncode == 2 and "unknown policies: nope" in bad.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_batched_grid_finishes_full_before_the_cells_that_read_it(tmp_path):
+    """With several cells in flight, `f` and `ref` budgets are computed from
+    `full`'s records: every `full` request ends before any of them starts.
+    The server is a stand-in here (slow `full` answers); the grid's order is
+    what is tested."""
+    import threading
+    import time
+
+    from bench.eval.runner import Cell, Results, run_grid
+    from bench.eval.tasks import Item
+
+    class SlowFullServer:
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.full_done = 0
+            self.seen_before_full_ended = []
+
+        def chat(self, messages, max_tokens, kv_policy):
+            if kv_policy["name"] == "full":
+                time.sleep(0.3)
+                with self.lock:
+                    self.full_done += 1
+            else:
+                with self.lock:
+                    if self.full_done < 3:
+                        self.seen_before_full_ended.append(kv_policy)
+            return {"choices": [{"message": {"content": "The answer is 4."}, "finish_reason": "stop",
+                                 "token_ids": [1, 2, 3]}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 40},
+                    "kv_usage": {"policy": kv_policy["name"]}, "latency_s": 0.0}
+
+    items = {"math": [Item(task="math", id=f"m{i}", messages=[{"role": "user", "content": "2+2?"}], answer="4",
+                           max_tokens=64) for i in range(3)]}
+    cells = [Cell("math", "full", "-"), Cell("math", "h2o", "f0.5"), Cell("math", "h2o", "ref")]
+    server = SlowFullServer()
+    results = Results(tmp_path / "grid.json", {"model": "m", "tasks_config": {}, "command": "", "concurrency": 8})
+    counts = run_grid(server, results, items, cells, concurrency=8)
+    assert counts == {"ran": 9, "skipped": 0, "errors": 0}
+    assert server.seen_before_full_ended == []
+    budgets = {r["kv_policy"]["budget"] for r in results.data["cells"]["math|h2o|f0.5"]["records"].values()}
+    assert budgets == {20}  # half of full's 40 output tokens
+    assert all(c["done"] for c in results.data["cells"].values())

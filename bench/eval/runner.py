@@ -221,6 +221,13 @@ def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list
     Solo (concurrency 1), cell after cell; otherwise every cell's items go
     to one queue in grid order, so a GPU batch holds several cells at once
     and a cell's slowest item does not idle the others."""
+    fulls = [c for c in cells if c.policy == "full"]
+    if concurrency > 1 and fulls and len(fulls) < len(cells):
+        # `full` first, to the end: fractions and `ref` budgets read its records.
+        first = run_grid(client, results, items, fulls, concurrency, progress, on_cell, compress_mode)
+        rest = run_grid(client, results, items, [c for c in cells if c.policy != "full"], concurrency,
+                        progress, on_cell, compress_mode)
+        return {k: first[k] + rest[k] for k in first}
     counts = {"ran": 0, "skipped": 0, "errors": 0}
     results.data["items"] = {t: [i.to_json() for i in its] for t, its in items.items()}
     work: list[tuple[Cell, Item]] = []
