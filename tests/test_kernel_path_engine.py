@@ -53,13 +53,17 @@ def test_crystalcache_decides_beside_another_policy_in_one_decode_batch(kernel_s
     policies = [{"name": "crystalcache", "budget": 64, "params": {"sinks": 2, "recent": 16, "breath": 4}},
                 {"name": "streaming", "budget": 12}]  # keeps no slot state either
 
-    def run(policy):
+    # Prompts of their own: a prompt the other request put in the radix
+    # cache first would be kept whole, outside crystalcache's budget.
+    prompts = [list(range(150, 270)), list(range(280, 400))]  # apart from PROMPT; the vocabulary has 410 ids
+
+    def run(policy, prompt):
         return httpx.post(f"{kernel_server.url}/v1/completions", timeout=300, json={
-            "model": kernel_server.model, "prompt": list(range(100, 220)), "max_tokens": 24, "temperature": 0,
+            "model": kernel_server.model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
             "ignore_eos": True, "kv_policy": policy})
 
     with ThreadPoolExecutor(len(policies)) as pool:
-        answers = list(pool.map(run, policies))
+        answers = list(pool.map(run, policies, prompts))
     for r in answers:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 24
