@@ -364,14 +364,17 @@ class KvsieveAttnBackend(AttentionBackend):
                     keys = view.keys if whole else view.keys[g]
                 else:
                     keys = self._flat_kv(table if whole else table[g], values=False)[0]
+            # The view holds slot state only on layers where some group keeps
+            # it (a first-layer observer such as crystalcache may decide on a
+            # later layer without it): nothing to hand over or write back then.
+            stateful = group.policy.keeps_slot_state and view.score is not None
             if whole:
                 sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
                                keys=keys)
             else:
-                state = view.score is not None and group.policy.keeps_slot_state
                 sub = SlotView(valid=view.valid[g], position=view.position[g],
-                               score=view.score[g] if state else None,
-                               last_hit=view.last_hit[g] if state else None, keys=keys)
+                               score=view.score[g] if stateful else None,
+                               last_hit=view.last_hit[g] if stateful else None, keys=keys)
             batch = group.batch(layer.layer_id, H)
             if prefill:
                 decide = group.policy.select_prefill
@@ -379,10 +382,7 @@ class KvsieveAttnBackend(AttentionBackend):
                 decide = group.policy.select_decode if deciding else group.policy.observe_decode
             with span(f"kvsieve.{'decide' if deciding else 'observe'}.{group.policy.name}"):
                 chosen = decide(batch, sub, obs if whole else obs.rows(g))
-            # No slot state in the view on a layer where none is kept (a
-            # first-layer observer such as crystalcache deciding later on):
-            # nothing to write back.
-            if group.policy.keeps_slot_state and view.score is not None:
+            if stateful:
                 if whole:
                     view.score, view.last_hit = sub.score, sub.last_hit
                 else:

@@ -93,4 +93,3 @@ def serve(args) -> None:
     finally:
         engine.shutdown()
         logger.warning("engine shut down")
-

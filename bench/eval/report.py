@@ -152,9 +152,10 @@ def plot_accuracy(cells: list[dict], meta: dict, out: Path) -> None:
         if full:
             ax.axhline(1.0 if relative else full["accuracy"], color="black", ls="--", lw=1, label="full")
         for policy, (color, marker) in styles.items():
-            pts = sorted((c["kv_fraction"], y(c)) for c in rows
-                         if c["policy"] == policy and c["budget"] != "ref" and c.get("kv_fraction") is not None
-                         and y(c) is not None)
+            pts = sorted((x, v) for x, v in ((c["kv_fraction"], y(c)) for c in rows
+                                             if c["policy"] == policy and c["budget"] != "ref"
+                                             and c.get("kv_fraction") is not None)
+                         if v is not None)
             if pts:
                 ax.plot(*zip(*pts), marker=marker, color=color, label=policy, lw=1.2, ms=5, alpha=0.85)
         _percent_log_axis(ax)
