@@ -46,6 +46,12 @@ CASES = [  # (lengths, delimiter every ~k tokens, budgets, sinks, recent, chunk,
     ([200, 1, 2, 33], 40, [66, 66, 66, 66], 0, 0, 32, 3.0),
     ([260, 120], 12, [132, 70], 4, 128, 64, 1.0),
     ([90, 90, 90], 2, [66, 66, 300], 2, 4, 16, 4.0),
+    # Every prompt shorter than the interface (5): a band lookback past the
+    # row's start once crashed the scheduler (issue #28).
+    ([3, 2], 2, [1, 1], 0, 0, 16, 1.0),
+    ([4], 3, [1], 0, 0, 16, 1.0),
+    ([2], 2, [1], 0, 0, 16, 1.0),
+    ([5, 1, 4], 2, [1, 1, 1], 0, 0, 16, 2.0),
 ]
 
 

@@ -104,6 +104,8 @@ def prefill_rows(saliency, intra_index, intra_weight, cross_index, cross_weight,
         total = torch.zeros(E, N, dtype=F64, device=dev)
         found = torch.zeros(E, N, dtype=torch.int64, device=dev)
         for back in range(L, 0, -1):  # a = b - back, ascending (the reference's summation order)
+            if back >= N:
+                continue  # a = b - back lies before every row's start: no edge (prompts of 2-4 tokens)
             w_a = torch.zeros(E, N, span, dtype=F64, device=dev)
             h_a = torch.zeros(E, N, span, dtype=torch.bool, device=dev)
             w_a[:, back:], h_a[:, back:] = band[:, :N - back], has[:, :N - back]
