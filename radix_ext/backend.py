@@ -37,7 +37,7 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import forward_graphs, head_parallel, layer0_probe, region_graphs, tbq_store
+from . import faults, forward_graphs, head_parallel, layer0_probe, metrics, region_graphs, tbq_store
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
@@ -338,62 +338,18 @@ class KvsieveAttnBackend(AttentionBackend):
         self._decide(layer, table, view, obs, rows.groups, keeps_state, rows.pool_rows, prefill=False)
 
     def _decide(self, layer, table, view, obs, groups, keeps_state, pool_rows, prefill):
-        """One batched call per policy class; then write valid bits (and the
-        policy state) back to the region."""
+        """One batched call per policy group; then write valid bits (and the
+        policy state) back to the region. A group whose policy code fails
+        ends its requests and evicts nothing (faults.py)."""
         p = self.pages
-        H = table.shape[1]
         evict = torch.zeros_like(view.valid)
-        rows = view.valid.shape[0]
         evicting = False  # whether any group returned a mask (known on the host)
         for group in groups:  # one per policy class present (two when only some rows decide), not per row
-            g = group.rows
             deciding = group.action == "decide"
-            if not deciding and layer.layer_id and group.policy.observes_first_layer_only:
+            if group.failed or (not deciding and layer.layer_id and group.policy.observes_first_layer_only):
                 continue
-            # Every row in one policy (members ascend): the view as it is, no
-            # gathers of the group's rows and no scatters back.
-            whole = len(group.members) == rows
-            # Keys only for the rows of a decision that reads them (Need.KEYS):
-            # a gather of [rows, heads, slots, head_dim], as large as the K read
-            # by attention, so never for rows that only observe.
-            wants_keys = deciding and (group.policy.needs & Need.KEYS or (layer.layer_id == 0
-                                                                           and group.policy.needs & Need.LAYER0_KEYS))
-            keys = None
-            if wants_keys:
-                if view.keys is not None:  # the PyTorch path gathered them for attention
-                    keys = view.keys if whole else view.keys[g]
-                else:
-                    keys = self._flat_kv(table if whole else table[g], values=False)[0]
-            # The view holds slot state only on layers where some group keeps
-            # it (a first-layer observer such as crystalcache may decide on a
-            # later layer without it): nothing to hand over or write back then.
-            stateful = group.policy.keeps_slot_state and view.score is not None
-            if whole:
-                sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
-                               keys=keys)
-            else:
-                sub = SlotView(valid=view.valid[g], position=view.position[g],
-                               score=view.score[g] if stateful else None,
-                               last_hit=view.last_hit[g] if stateful else None, keys=keys)
-            batch = group.batch(layer.layer_id, H)
-            if prefill:
-                decide = group.policy.select_prefill
-            else:
-                decide = group.policy.select_decode if deciding else group.policy.observe_decode
-            with span(f"kvsieve.{'decide' if deciding else 'observe'}.{group.policy.name}"):
-                chosen = decide(batch, sub, obs if whole else obs.rows(g))
-            if stateful:
-                if whole:
-                    view.score, view.last_hit = sub.score, sub.last_hit
-                else:
-                    view.score[g] = sub.score
-                    view.last_hit[g] = sub.last_hit
-            if chosen is not None:
-                evicting = True
-                if whole:
-                    evict = evict | chosen
-                else:
-                    evict[g] = chosen
+            stage = "prefill" if prefill else ("decide" if deciding else "observe")
+            evicting |= self._decide_group(group, layer, table, view, obs, evict, prefill, stage)
         if not evicting and not keeps_state:
             return view.valid  # nothing to clear and no slot state to write back: the region stays as it is
         with span("kvsieve.evict"):
@@ -408,6 +364,85 @@ class KvsieveAttnBackend(AttentionBackend):
             RUNTIME.count_evictions(pool_rows, evict.sum(dim=(1, 2)))
         view.valid = kept
         return kept
+
+    def _decide_group(self, group, layer, table, view, obs, evict, prefill, stage) -> bool:
+        """Run one group's decision; True when it returned an eviction mask.
+        Out of memory: retried on each half of the group's rows (a decision
+        is per row), down to one row. Any other fault, or one row that still
+        does not fit: the group's requests end with an error and the group
+        sits out the rest of the step."""
+        try:
+            return self._call_policy(group, layer, table, view, obs, evict, prefill, stage)
+        except Exception as exc:  # noqa: BLE001 - policy code: its fault stays with its requests
+            if faults.capturing():
+                raise  # a capture that fails is dropped (region_graphs.RegionGraphs.run)
+            n = len(group.members)
+            if faults.is_out_of_memory(exc) and n > 1 and group.splittable():
+                del exc  # its traceback holds the tensors that did not fit
+                metrics.DECISION_RETRIES.labels(group.policy.name).inc()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                half = n // 2
+                first = self._decide_group(group.subset(list(range(half)), group.action), layer, table, view,
+                                           obs, evict, prefill, stage)
+                second = self._decide_group(group.subset(list(range(half, n)), group.action), layer, table, view,
+                                            obs, evict, prefill, stage)
+                return first or second
+            faults.fail_requests(group.requests, group.policy.name, stage, exc)
+            group.failed = True
+            return False
+
+    def _call_policy(self, group, layer, table, view, obs, evict, prefill, stage) -> bool:
+        g = group.rows
+        H = table.shape[1]
+        deciding = group.action == "decide"
+        # Every row in one policy (members ascend): the view as it is, no
+        # gathers of the group's rows and no scatters back.
+        whole = len(group.members) == view.valid.shape[0]
+        # Keys only for the rows of a decision that reads them (Need.KEYS):
+        # a gather of [rows, heads, slots, head_dim], as large as the K read
+        # by attention, so never for rows that only observe. Groups that read
+        # them come in row chunks bounded by KVSIEVE_DECISION_SCRATCH_MB
+        # (step_meta.chunk_key_readers).
+        wants_keys = deciding and (group.policy.needs & Need.KEYS or (layer.layer_id == 0
+                                                                       and group.policy.needs & Need.LAYER0_KEYS))
+        keys = None
+        if wants_keys:
+            if view.keys is not None:  # the PyTorch path gathered them for attention
+                keys = view.keys if whole else view.keys[g]
+            else:
+                keys = self._flat_kv(table if whole else table[g], values=False)[0]
+        # The view holds slot state only on layers where some group keeps
+        # it (a first-layer observer such as crystalcache may decide on a
+        # later layer without it): nothing to hand over or write back then.
+        stateful = group.policy.keeps_slot_state and view.score is not None
+        if whole:
+            sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
+                           keys=keys)
+        else:
+            sub = SlotView(valid=view.valid[g], position=view.position[g],
+                           score=view.score[g] if stateful else None,
+                           last_hit=view.last_hit[g] if stateful else None, keys=keys)
+        batch = group.batch(layer.layer_id, H)
+        if prefill:
+            decide = group.policy.select_prefill
+        else:
+            decide = group.policy.select_decode if deciding else group.policy.observe_decode
+        with span(f"kvsieve.{'decide' if deciding else 'observe'}.{group.policy.name}"):
+            chosen = decide(batch, sub, obs if whole else obs.rows(g))
+        if stateful:
+            if whole:
+                view.score, view.last_hit = sub.score, sub.last_hit
+            else:
+                view.score[g] = sub.score
+                view.last_hit[g] = sub.last_hit
+        if chosen is None:
+            return False
+        if whole:
+            evict |= chosen
+        else:
+            evict[g] = chosen
+        return True
 
     def _extend_region(self, q3, k3, v3, o3, layer, step):
         rows, ext, p = step.region, step.extend, self.pages
@@ -471,24 +506,40 @@ class KvsieveAttnBackend(AttentionBackend):
         ended = {}
         for pr in ext.probe:  # rows of probed policies only, bounded on the host
             req = pr.request
-            private = req.prompt_len - req.prefix_len
-            state = layer0_probe.state_of(req.state, private, pr.first, table.device)
-            keys = self._flat(self.pages.k, table[pr.row:pr.row + 1])[0]  # [H, S, D]
-            # Under tensor parallelism every rank probes every head (one index
-            # set for the request): gather queries and keys along the heads.
-            heads = head_parallel.SHARDS
-            layer0_probe.observe(state, heads.gather(q3[pr.token_start:pr.token_start + pr.count], 1),
-                                 heads.gather(keys, 0), heads.gather(pk[pr.row, :req.prefix_len], 1), scale)
-            if state.done >= private:
-                ended[pr.row] = (req.state, _private_ids(req), req.prefix_len, pr.budget)
+            if req.overflowed:
+                continue
+            try:
+                with faults.guard("probe", req.policy.name, [req]):
+                    private = req.prompt_len - req.prefix_len
+                    state = layer0_probe.state_of(req.state, private, pr.first, table.device)
+                    keys = self._flat(self.pages.k, table[pr.row:pr.row + 1])[0]  # [H, S, D]
+                    # Under tensor parallelism every rank probes every head (one index
+                    # set for the request): gather queries and keys along the heads.
+                    heads = head_parallel.SHARDS
+                    layer0_probe.observe(state, heads.gather(q3[pr.token_start:pr.token_start + pr.count], 1),
+                                         heads.gather(keys, 0), heads.gather(pk[pr.row, :req.prefix_len], 1),
+                                         scale)
+                    if state.done >= private:
+                        ended[pr.row] = (req.state, _private_ids(req), req.prefix_len, pr.budget)
+            except faults.PolicyFault:
+                continue  # that request ends; its group's selection finds no summary for it
         if not ended:
             return
-        summaries = dict(zip(ended, layer0_probe.collect(list(ended.values()))))
+        requests = [pr.request for pr in ext.probe if pr.row in ended]
+        try:
+            with faults.guard("probe", requests[0].policy.name, requests):
+                summaries = dict(zip(ended, layer0_probe.collect(list(ended.values()))))
+        except faults.PolicyFault:
+            return
         for group in ext.ending_groups:
-            if group.policy.needs & Need.LAYER0_ATTENTION:
+            if group.policy.needs & Need.LAYER0_ATTENTION and not group.failed:
                 rows = [summaries.get(ext.ending_rows[m]) for m in group.members]
                 if all(r is not None for r in rows):
-                    group.inputs.update(group.policy.prompt_attention_inputs(rows, table.device))
+                    try:
+                        with faults.guard("probe", group.policy.name, group.requests):
+                            group.inputs.update(group.policy.prompt_attention_inputs(rows, table.device))
+                    except faults.PolicyFault:
+                        group.failed = True
 
     def _select_prompt(self, layer, table, ext, pool_rows):
         """The private prompt of these rows is whole: let their policies

@@ -52,7 +52,7 @@ import torch
 
 from kvsieve.policies.skipkv import steering
 
-from . import metrics
+from . import faults, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ class ForwardGraphs:
         """After the region graphs' begin_step, before the forward."""
         self.active = self.step = None
         entry = self.region.current
-        if entry is None or len(entry.graphs) < self.num_layers or not step_is_whole(step, batch_size):
+        if (entry is None or entry.no_forward or len(entry.graphs) < self.num_layers
+                or not step_is_whole(step, batch_size)):
             return
         self.active, self.step = entry, step
 
@@ -154,12 +155,22 @@ class ForwardGraphs:
 
             try:
                 captured.graph = self.region.capture(decoder_pass)  # the region graphs' memory pool
-            except Exception:
-                # A model whose forward cannot be recorded: nothing ran (a
-                # capture records only), so the step runs eagerly, and so do
-                # the later ones; the region graphs stay.
-                logger.exception("kvsieve: the decoder stack could not be captured; whole-forward graphs off")
-                self.decoder.forward = self.original
+            except Exception as exc:  # noqa: BLE001 - nothing ran (a capture records only): run eagerly
+                if faults.is_out_of_memory(exc) or self.captures:
+                    # Out of memory, or a fault inside a pass that recorded
+                    # before: these shapes keep their region graphs only.
+                    logger.warning("kvsieve: the decoder stack of this step's shapes could not be captured "
+                                   "(%s: %s); they replay per layer", type(exc).__name__, exc)
+                    metrics.GRAPH_CAPTURE_FAILURES.labels("forward").inc()
+                    entry.no_forward = True
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                else:
+                    # A model whose forward cannot be recorded: whole-forward
+                    # graphs off for good; the region graphs stay.
+                    logger.exception("kvsieve: the decoder stack could not be captured; whole-forward graphs off")
+                    self.decoder.forward = self.original
                 return self.original(input_ids, positions, forward_batch, *args, **kwargs)
             captured.output = out
             entry.forward = captured

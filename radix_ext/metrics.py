@@ -170,3 +170,25 @@ PADDED_ROWS = Counter(
 
 def record_padded_rows(rows: int) -> None:
     PADDED_ROWS.inc(rows)
+
+
+REQUEST_ERRORS = Counter(
+    "kvsieve_request_errors_total",
+    "Requests ended with an error because their policy's code failed (radix_ext/faults.py), by policy and "
+    "stage (admit, step_inputs, budgets, tbq_format, probe, prefill, decide, observe, tokens, usage); the "
+    "scheduler and every other request go on.",
+    ["policy", "stage"],
+    registry=None,
+)
+DECISION_RETRIES = Counter(
+    "kvsieve_decision_oom_retries_total",
+    "Decisions that ran out of GPU memory and were retried in smaller row chunks, by policy.",
+    ["policy"],
+    registry=None,
+)
+GRAPH_CAPTURE_FAILURES = Counter(
+    "kvsieve_decode_graph_capture_failures_total",
+    "Decode-step shapes whose CUDA-graph capture failed (out of memory, a policy fault): they run eagerly.",
+    ["graph"],
+    registry=None,
+)

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from . import head_parallel, metrics
+from . import faults, head_parallel, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class _Captured:
     o: Optional[torch.Tensor] = None
     graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
     forward: object = None  # the whole decoder stack's graph (forward_graphs.ForwardCapture)
+    no_forward: bool = False  # its decoder-stack capture failed: per-layer replays only
 
 
 class RegionGraphs:
@@ -148,6 +149,8 @@ class RegionGraphs:
         self.recent: "OrderedDict[tuple, None]" = OrderedDict()
         self.captures = 0
         self.replays = 0
+        #: Shapes whose capture failed: eager from then on.
+        self.eager_keys: set = set()
         # One memory pool for every captured shape: graphs replay one at a
         # time and their outputs are copied out right after, so a shape's
         # temporaries may reuse another's. A pool per shape held the sum of
@@ -160,7 +163,7 @@ class RegionGraphs:
         step's shapes and copy the step's metadata into it."""
         self.current = None
         key = signature(step, needs_keys)
-        if key is None:
+        if key is None or key in self.eager_keys:
             return
         seen_before = key in self.recent
         self.recent[key] = None
@@ -231,11 +234,18 @@ class RegionGraphs:
             def static_pass():
                 run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
 
+            faults_before = faults.count
             static_pass()
-            entry.graphs[layer.layer_id] = self.capture(static_pass)
-            self.captures += 1
-            if layer.layer_id == 0:
-                metrics.record_graph_capture("region")
+            captured = None
+            if faults.count == faults_before:  # a pass in which a group failed is not one to replay
+                captured = self._try_capture(static_pass, entry)
+            if captured is None:
+                self._give_up(entry)
+            else:
+                entry.graphs[layer.layer_id] = captured
+                self.captures += 1
+                if layer.layer_id == 0:
+                    metrics.record_graph_capture("region")
         else:
             graph.replay()
             self.replays += 1
@@ -243,6 +253,30 @@ class RegionGraphs:
                 metrics.record_graph_replay("region")
         o3[idx[:self.real]] = entry.o[:self.real]  # padded rows' outputs stay behind
         return True
+
+    def _try_capture(self, static_pass, entry):
+        """capture(), or None when it fails (out of memory, a fault of policy
+        code while recording): the step already ran eagerly, so the server
+        goes on; those shapes run eagerly from now on."""
+        try:
+            return self.capture(static_pass)
+        except Exception as exc:  # noqa: BLE001 - a failed capture costs speed, never the scheduler
+            logger.warning("kvsieve: CUDA-graph capture of a decode step's compressed pass failed (%s: %s); "
+                           "these shapes run eagerly", type(exc).__name__, exc)
+            metrics.GRAPH_CAPTURE_FAILURES.labels("region").inc()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            return None
+
+    def _give_up(self, entry) -> None:
+        """Drop an entry whose capture failed and keep its shapes eager."""
+        for key, cached in list(self.cache.items()):
+            if cached is entry:
+                del self.cache[key]
+                self.eager_keys.add(key)
+        if self.current is entry:
+            self.current = None
 
     def capture(self, static_pass):
         """Record static_pass (it does not execute) as a CUDA graph whose

@@ -25,7 +25,7 @@ from kvsieve.policies.observations import to_device
 from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyParams, RequestState, get_policy, \
     parse_kv_policy
 
-from . import head_parallel, memory_split, metrics
+from . import faults, head_parallel, memory_split, metrics
 from .pages import PageManager, RegionConfig
 from .tbq_store import QuantPool
 
@@ -184,12 +184,29 @@ class KVRuntime:
         policy = policy_instance(spec.name)
         params = type(policy).Params.model_validate(spec.params)
         cfg = self.region.config
-        self.requests[rid] = CompressedRequest(
-            rid=rid, spec=spec, policy=policy, params=params, prompt_len=prompt_len, sgl_req=sgl_req,
-            state=policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads),
-            # Groups of generated tokens only: a prompt in the region stays in full precision.
-            tbq=policy.quantizes(params) and self.region.quant is not None and not spec.prompt_compressed)
-        if policy.observes_tokens(self.requests[rid].state):
+        req = CompressedRequest(rid=rid, spec=spec, policy=policy, params=params, prompt_len=prompt_len,
+                                sgl_req=sgl_req)
+        try:
+            with faults.guard("admit", spec.name, []):
+                req.state = policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads)
+                # Groups of generated tokens only: a prompt in the region stays in full precision.
+                req.tbq = policy.quantizes(params) and self.region.quant is not None and not spec.prompt_compressed
+                observes = policy.observes_tokens(req.state)
+        except faults.PolicyFault as fault:
+            # Never admitted: it holds nothing; it ends at its first step with a 500.
+            message = f"kvsieve: policy {spec.name!r} failed in admit: {fault.__cause__!r}"
+            if sgl_req is not None:
+                from http import HTTPStatus
+
+                from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+                sgl_req.set_finish_with_abort(message)
+                sgl_req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+            if head_parallel.reports_usage():
+                metrics.REQUEST_ERRORS.labels(spec.name, "admit").inc()
+            return
+        self.requests[rid] = req
+        if observes:
             self.token_observers.add(rid)
 
     def exceeds_region(self, req: CompressedRequest, max_new_tokens: int) -> Optional[str]:
@@ -278,8 +295,12 @@ class KVRuntime:
         if self.region is not None and req.prefix_len >= 0:
             cfg = self.region.config
             usage = self._usage(req)
-            if req.state is not None:
-                usage.update(req.policy.usage(req.state))
+            if req.state is not None and not req.overflowed:
+                try:  # policy code: a fault here must not keep the pages below from coming back
+                    with faults.guard("usage", req.spec.name, [req]):
+                        usage.update(req.policy.usage(req.state))
+                except faults.PolicyFault:
+                    pass
             self.finished[rid] = usage
             if head_parallel.reports_usage():  # token counts once, not once per TP rank
                 metrics.EVICTED_TOKENS.labels(req.spec.name).inc(usage["evicted_tokens"])
@@ -292,7 +313,10 @@ class KVRuntime:
             self.region.free(rid)
             self._record_pages()
         if req.state is not None:
-            req.policy.end_request(req.state)
+            try:
+                req.policy.end_request(req.state)
+            except Exception:  # noqa: BLE001 - the request is over; its pages are back
+                logger.exception("kvsieve: policy %r failed in end_request of %s", req.spec.name, rid)
 
     def pop_usage(self, rid: str) -> Optional[dict]:
         return self.finished.pop(rid, None)
@@ -407,15 +431,22 @@ class KVRuntime:
         extend = forward_batch.forward_mode.is_extend()
         lengths = forward_batch.extend_seq_lens_cpu if extend else [1] * len(forward_batch.rids)
         by_policy: dict = {}  # one call per policy, not per request
+        owners: dict = {}  # policy -> its CompressedRequests here (a fault ends them)
         start = 0
         for rid, n in zip(forward_batch.rids, lengths):
             req = self.requests.get(rid)
             if rid in self.token_observers and req is not None and not req.overflowed:
                 by_policy.setdefault(req.policy, []).append((req.state, start, n))
+                owners.setdefault(req.policy, []).append(req)
             start += n
         for policy, requests in by_policy.items():
             wants_hidden = bool(policy.needs & Need.HIDDEN_STATES)
-            policy.on_forward_tokens(requests, forward_batch.positions, input_ids, hidden if wants_hidden else None)
+            try:
+                with faults.guard("tokens", policy.name, owners[policy]):
+                    policy.on_forward_tokens(requests, forward_batch.positions, input_ids,
+                                             hidden if wants_hidden else None)
+            except faults.PolicyFault:
+                continue
 
 
 RUNTIME = KVRuntime()

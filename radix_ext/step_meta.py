@@ -19,6 +19,7 @@ Rows of a batch split three ways:
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,7 +30,7 @@ from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import to_device
 
-from . import head_parallel, metrics, region_graphs
+from . import faults, head_parallel, metrics, region_graphs
 from .head_pages import plan_head_pages
 from .profiling import span
 from .runtime import RUNTIME, CompressedRequest
@@ -81,6 +82,51 @@ def decision_bucket(due: int, rows: int) -> int:
     return min(max(MIN_DECISION_BUCKET, 1 << (due - 1).bit_length()), rows)
 
 
+#: Bytes of keys one decision may gather at once (KVSIEVE_DECISION_SCRATCH_MB):
+#: a policy that reads keys (rkv, skipkv, crystalcache, thinkv) gathers
+#: [rows, heads, slots, head_dim] of them, ~1 MB a row at the headline's
+#: budget 1024, and computes a few tensors of that order from them; whole
+#: 640-row groups asked for 0.7 GB at once inside graph captures and ran an
+#: H100 out of memory. Groups are cut into row chunks below this bound, so
+#: decision scratch does not grow with the batch (memory_split plans it).
+DECISION_SCRATCH_ENV = "KVSIEVE_DECISION_SCRATCH_MB"
+DEFAULT_DECISION_SCRATCH_MB = 128
+
+
+def decision_scratch_bytes() -> int:
+    raw = os.environ.get(DECISION_SCRATCH_ENV, str(DEFAULT_DECISION_SCRATCH_MB))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{DECISION_SCRATCH_ENV}={raw!r}: must be a number of MiB > 0") from None
+    if value <= 0:
+        raise ValueError(f"{DECISION_SCRATCH_ENV}={raw}: must be > 0 (MiB of keys one decision gathers at once)")
+    return int(value * 2**20)
+
+
+def decision_rows_limit(heads: int, slots: int, head_dim: int, element: int) -> int:
+    """Most rows whose keys one decision call gathers: a row_bucket size
+    (a whole chunk pads to itself), at least 1."""
+    rows = max(1, decision_scratch_bytes() // max(1, heads * slots * head_dim * element))
+    if rows >= 16:
+        return rows // 16 * 16 if rows <= 256 else rows // 64 * 64
+    return 1 << (rows.bit_length() - 1)
+
+
+def chunk_key_readers(groups: list, limit: int) -> list:
+    """Deciding groups of policies that read keys, cut into chunks of at
+    most `limit` rows (one decision call each; decisions are per row)."""
+    out = []
+    for group in groups:
+        n = len(group.members)
+        reads_keys = group.policy.needs & (Need.KEYS | Need.LAYER0_KEYS)
+        if group.action != "decide" or not reads_keys or n <= limit or not group.splittable():
+            out.append(group)
+            continue
+        out += [group.subset(list(range(i, min(i + limit, n))), "decide") for i in range(0, n, limit)]
+    return out
+
+
 @dataclass
 class PolicyGroup:
     """The rows of one policy class in this step: one batched call per layer."""
@@ -98,6 +144,18 @@ class PolicyGroup:
     #: "decide": select_prefill / select_decode; "observe": observe_decode
     #: (decode rows whose decision is not due this step: Policy.deciding_rows).
     action: str = "decide"
+    #: Host: the CompressedRequest of each member (None for padded rows), so
+    #: a fault in the group's policy code ends exactly these (faults.py).
+    requests: list = field(default_factory=list)
+    #: Set when its policy code failed in this step (faults.py): later
+    #: layers skip it.
+    failed: bool = False
+
+    def splittable(self) -> bool:
+        """Whether every parameter and input is laid out per row (subset can
+        cut the group into row chunks)."""
+        n = len(self.members)
+        return all(t.dim() > 0 and t.shape[0] == n for t in (*self.params.values(), *self.inputs.values()))
 
     def subset(self, positions: list[int], action: str) -> "PolicyGroup":
         """The group restricted to its members at `positions` (host list)."""
@@ -106,7 +164,8 @@ class PolicyGroup:
             policy=self.policy, rows=self.rows[index], budget=self.budget[index], step=self.step[index],
             params={k: v[index] for k, v in self.params.items()}, maxima=self.maxima,
             inputs={k: v[index] for k, v in self.inputs.items()}, pool_rows=self.pool_rows[index],
-            max_rows=self.max_rows, members=[self.members[i] for i in positions], action=action)
+            max_rows=self.max_rows, members=[self.members[i] for i in positions], action=action,
+            requests=[self.requests[i] for i in positions])
 
     def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
         per_layer = self.inputs.get("budget")
@@ -251,12 +310,20 @@ class StepBuilder:
         max_rows = self.req_to_token.shape[0]
         for cls, members in by_class.items():
             policy = requests[members[0]].policy
-            params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
-            # StepRows only for a policy that reads them (hundreds per step).
-            step_rows = [StepRow(requests[r].state, steps[r], pool_rows[r], budgets[r], prefill,
-                                 requests[r].private_seen) for r in members] if reads_step_rows(cls) else []
-            with span(f"kvsieve.step_inputs.{policy.name}"):
-                inputs = policy.step_inputs(step_rows, self.device)
+            members_requests = [requests[r] for r in members]
+            try:
+                # A fault here ends this class's requests; their rows still
+                # store and attend this step (outputs unused), in no group.
+                with faults.guard("step_inputs", policy.name, members_requests):
+                    params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
+                    # StepRows only for a policy that reads them (hundreds per step).
+                    step_rows = [StepRow(requests[r].state, steps[r], pool_rows[r], budgets[r], prefill,
+                                         requests[r].private_seen) for r in members] if reads_step_rows(cls) else []
+                    with span(f"kvsieve.step_inputs.{policy.name}"):
+                        inputs = policy.step_inputs(step_rows, self.device)
+                    due = None if prefill or not step_rows else policy.deciding_rows(step_rows)
+            except faults.PolicyFault:
+                continue
             group = PolicyGroup(
                 policy=policy,
                 rows=_long(members, self.device),
@@ -264,8 +331,7 @@ class StepBuilder:
                 step=_long([steps[r] for r in members], self.device),
                 params=params, maxima=maxima, inputs=inputs,
                 pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows,
-                members=members)
-            due = None if prefill or not step_rows else policy.deciding_rows(step_rows)
+                members=members, requests=members_requests)
             groups += self._split_by_decision(group, due)
         return groups
 
@@ -308,6 +374,9 @@ class StepBuilder:
             prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
             prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
         groups = self._groups(requests, list(range(len(requests))), steps, budgets, pool_rows, prefill)
+        groups = chunk_key_readers(groups, decision_rows_limit(tables.shape[2], width * self.pages.config.page_size,
+                                                               self.pages.config.head_dim,
+                                                               self.pages.k.element_size()))
         needs = later_needs = Need.NONE
         for g in groups:
             needs |= g.policy.needs
@@ -332,7 +401,7 @@ class StepBuilder:
         for g in rows.groups:
             if not region_graphs.capturable(g):
                 return
-            if any(t.dim() == 0 or t.shape[0] != len(g.members) for t in (*g.params.values(), *g.inputs.values())):
+            if not g.splittable():
                 return  # an input not laid out per row: nothing to pad it with
         dev = self.device
         extra = 0
@@ -350,6 +419,7 @@ class StepBuilder:
             group.pool_rows = torch.cat([group.pool_rows, torch.full((pads,), PAD_POOL_ROW, dtype=torch.int64,
                                                                      device=dev)])
             group.members = group.members + new_rows
+            group.requests = group.requests + [None] * pads
             extra += pads
         if not extra:
             return
@@ -421,7 +491,11 @@ class StepBuilder:
             if plans_heads is None:
                 plans_heads = plans[cls] = getattr(cls, "realloc_head_budgets", None) is not None
             if plans_heads:
-                plan_head_pages(self.pages, req, step, pool_row, budget)  # adaptive budgets
+                try:
+                    with faults.guard("budgets", req.policy.name, [req]):
+                        plan_head_pages(self.pages, req, step, pool_row, budget)  # adaptive budgets
+                except faults.PolicyFault:
+                    pass  # the request ends; its pages stay as they were until it does
         self.pages.flush()
         rows = None
         if region:
@@ -438,8 +512,14 @@ class StepBuilder:
         this step, and each group's format (asked after step_inputs, which
         types the segments)."""
         size = self.pages.config.page_size
-        due = [(r, req.policy.group_format(req.state, step + 1 - size))
-               for r, (req, step) in enumerate(zip(requests, steps)) if req.tbq and (step + 1) % size == 0]
+        due = []
+        for r, (req, step) in enumerate(zip(requests, steps)):
+            if req.tbq and (step + 1) % size == 0 and not req.overflowed:
+                try:
+                    with faults.guard("tbq_format", req.policy.name, [req]):
+                        due.append((r, req.policy.group_format(req.state, step + 1 - size)))
+                except faults.PolicyFault:
+                    pass  # no flush for a request that is ending
         if due:
             top = FP8 if self.pages.config.quant_bits >= 8 else NVFP4  # the widest format a page row holds
             rows.flush_rows = _long([r for r, _ in due], self.device)

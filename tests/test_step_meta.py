@@ -211,3 +211,32 @@ def test_rows_whose_decision_is_not_due_only_observe(runtime, monkeypatch):
     monkeypatch.setattr(rkv, "pads_decisions", True)
     meta = runtime.build(decode_batch(["a", "b", "c"], [1, 2, 3], [17, 18, 21]))
     assert [g.action for g in meta.region.groups] == ["decide"] and meta.region.groups[0].members == [0, 1, 2]
+
+
+def test_decisions_that_read_keys_come_in_row_chunks_within_the_scratch_bound(monkeypatch):
+    import torch
+
+    from kvsieve.policies import get_policy
+    from kvsieve.radix_ext.step_meta import PolicyGroup, chunk_key_readers, decision_rows_limit
+
+    # 4 heads x 1,088 slots x 128 dims x 2 bytes: ~1.1 MB of keys a row.
+    monkeypatch.setenv("KVSIEVE_DECISION_SCRATCH_MB", "128")
+    assert decision_rows_limit(4, 1088, 128, 2) == 112  # 120 rows fit; a row_bucket size below
+    monkeypatch.setenv("KVSIEVE_DECISION_SCRATCH_MB", "3")
+    assert decision_rows_limit(4, 1088, 128, 2) == 2
+    monkeypatch.setenv("KVSIEVE_DECISION_SCRATCH_MB", "0")
+    with pytest.raises(ValueError, match="KVSIEVE_DECISION_SCRATCH_MB"):
+        decision_rows_limit(4, 1088, 128, 2)
+
+    def group(name, n, action="decide"):
+        t = torch.arange(n)
+        return PolicyGroup(policy=get_policy(name)(), rows=t, budget=t, step=t, params={"x": t}, maxima={},
+                           inputs={}, pool_rows=t, members=list(range(n)), action=action,
+                           requests=[f"r{i}" for i in range(n)])
+
+    out = chunk_key_readers([group("rkv", 5), group("streaming", 5), group("rkv", 5, "observe")], 2)
+    assert [(g.policy.name, g.action, g.members) for g in out] == [
+        ("rkv", "decide", [0, 1]), ("rkv", "decide", [2, 3]), ("rkv", "decide", [4]),
+        ("streaming", "decide", [0, 1, 2, 3, 4]), ("rkv", "observe", [0, 1, 2, 3, 4])]
+    assert [g.rows.tolist() for g in out[:3]] == [[0, 1], [2, 3], [4]]
+    assert out[2].requests == ["r4"] and out[1].params["x"].tolist() == [2, 3]
