@@ -12,8 +12,13 @@ at start-up with a message naming the setting.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
 
 FRACTION_ENV = "KVSIEVE_REGION_FRACTION"
 DEFAULT_FRACTION = 0.5
@@ -21,6 +26,9 @@ DEFAULT_FRACTION = 0.5
 #: Bytes reserved for the region by the carve, set in the scheduler process
 #: before the token pool is allocated; None where nothing was carved.
 carved_bytes: Optional[int] = None
+#: kvsieve's workspace planned at start (memory_plan.py), and the rows it
+#: was planned for (max_running_requests is lowered to them); None on CPU.
+workspace = None
 
 
 def region_fraction() -> float:
@@ -38,15 +46,61 @@ def region_fraction() -> float:
 def carve_region(original, configurator, *args, **kwargs) -> int:
     """AROUND KVCacheConfigurator._profile_available_bytes: the token pool
     gets (1 - fraction) of SGLang's KV budget; the region the rest."""
-    global carved_bytes
+    global carved_bytes, workspace
     available = original(configurator, *args, **kwargs)
     server_args = configurator.server_args
-    if server_args.attention_backend != "kvsieve" or str(server_args.device) != "cuda" \
-            or os.environ.get("KVSIEVE_REGION_PAGES"):
+    if server_args.attention_backend != "kvsieve" or str(server_args.device) != "cuda":
+        return available
+    from . import memory_plan
+
+    shape = model_shape(configurator)
+    rows = server_args.max_running_requests or memory_plan.DEFAULT_ROWS
+    fixed = int(os.environ.get("KVSIEVE_REGION_PAGES", "0"))
+    if fixed:
+        # A fixed region is allocated after SGLang's pools, outside this
+        # budget; the workspace is planned for it and checked at start-up
+        # (runtime.ensure_region).
+        fraction = min(0.99, fixed * memory_plan.slot_bytes(shape) * shape.page_size / max(available, 1))
+        _, workspace = memory_plan.fit_rows(shape, rows, available, fraction)
         return available
     fraction = region_fraction()
-    carved_bytes = int(available * fraction)
-    return available - carved_bytes
+    _, workspace = memory_plan.fit_rows(shape, rows, available, fraction)
+    kv_budget = available - workspace.total
+    carved_bytes = int(kv_budget * fraction)
+    return kv_budget - carved_bytes
+
+
+def model_shape(configurator):
+    """The served model as the workspace plan needs it (this rank's kv heads)."""
+    from . import memory_plan
+
+    mc = configurator.model_config
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    return memory_plan.ModelShape(
+        num_layers=int(mc.num_hidden_layers), kv_heads=int(mc.get_num_kv_heads(configurator.server_args.tp_size)),
+        head_dim=int(mc.head_dim), element=int(torch.empty((), dtype=configurator.kv_cache_dtype).element_size()),
+        hidden=hidden, intermediate=int(getattr(text, "intermediate_size", 0) or 4 * hidden),
+        context_len=int(mc.context_len), page_size=int(os.environ.get("KVSIEVE_REGION_PAGE_SIZE", "16")))
+
+
+def cap_running_requests(original, configurator, *args, **kwargs) -> int:
+    """AROUND KVCacheConfigurator.resolve_max_num_reqs: no more rows than
+    the workspace was planned for (carve_region), said at start-up."""
+    rows = original(configurator, *args, **kwargs)
+    if workspace is not None and rows > workspace.rows:
+        logger.warning("kvsieve: max_running_requests lowered from %d to %d, the rows kvsieve's GPU workspace is "
+                       "planned for (--max-running-requests, %d when unset, at most what fits in "
+                       "KVSIEVE_WORKSPACE_SHARE of the KV budget): %s", rows, workspace.rows,
+                       _default_rows(), workspace.describe())
+        return workspace.rows
+    return rows
+
+
+def _default_rows() -> int:
+    from . import memory_plan
+
+    return memory_plan.DEFAULT_ROWS
 
 
 def region_pages(pool_tokens: int, num_layers: int, num_kv_heads: int, page_size: int, bytes_per_page: int,

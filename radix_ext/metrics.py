@@ -192,3 +192,36 @@ GRAPH_CAPTURE_FAILURES = Counter(
     ["graph"],
     registry=None,
 )
+
+
+PLANNED_BYTES = Gauge(
+    "kvsieve_planned_bytes",
+    "GPU memory kvsieve planned at start-up beyond SGLang's own (radix_ext/memory_plan.py), by part: "
+    "page_table, decision_scratch, pass_scratch, forward_graph, tbq_staging.",
+    ["part"],
+    multiprocess_mode="livemax",
+    registry=None,
+)
+GPU_MEMORY = Gauge(
+    "kvsieve_scheduler_gpu_memory_bytes",
+    "The scheduler process's GPU memory (torch's caching allocator): reserved, allocated, and their peaks.",
+    ["kind"],
+    multiprocess_mode="livemax",
+    registry=None,
+)
+
+
+def record_planned_bytes(parts: dict) -> None:
+    for part, value in parts.items():
+        PLANNED_BYTES.labels(part).set(value)
+
+
+def record_gpu_memory() -> None:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    GPU_MEMORY.labels("reserved").set(torch.cuda.memory_reserved())
+    GPU_MEMORY.labels("allocated").set(torch.cuda.memory_allocated())
+    GPU_MEMORY.labels("peak_reserved").set(torch.cuda.max_memory_reserved())
+    GPU_MEMORY.labels("peak_allocated").set(torch.cuda.max_memory_allocated())

@@ -79,6 +79,15 @@ class RegionConfig:
         return self.num_layers * self.num_kv_heads
 
 
+#: Bytes of state each slot carries beside its K and V, in the buffers
+#: PageManager allocates per slot: valid (bool), position (int64), score
+#: (float32), last_hit (int32), vnorm (float32), prefill_attention (float32);
+#: and per page: format (int8). The region's size counts them
+#: (memory_plan.slot_bytes): at 4.7 M pages they are 1.9 GB.
+SLOT_STATE_BYTES = 1 + 8 + 4 + 4 + 4 + 4
+PAGE_STATE_BYTES = 1
+
+
 @dataclass
 class _Owned:
     """The pages one request owns: [layers, heads, columns] on the host."""

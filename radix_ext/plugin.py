@@ -43,6 +43,7 @@ _DECODE_GROWTH_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.new_to
 _RETRACTION_ORDER_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order"
 _SUPPORT_TRITON_TARGET = "sglang.srt.utils.common.support_triton"
 _PROFILE_KV_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+_MAX_REQS_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs"
 _DECODE_GRAPH_TARGET = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph")
 _PREFILL_GRAPH_TARGET = (
@@ -209,6 +210,7 @@ def register() -> None:
     HookRegistry.register(_RETRACTION_ORDER_TARGET, retract_uncompressed_first, HookType.AROUND)
     HookRegistry.register(_SUPPORT_TRITON_TARGET, backend_supports_triton, HookType.AROUND)
     HookRegistry.register(_PROFILE_KV_TARGET, memory_split.carve_region, HookType.AROUND)
+    HookRegistry.register(_MAX_REQS_TARGET, memory_split.cap_running_requests, HookType.AROUND)
     HookRegistry.register(_DECODE_GRAPH_TARGET, graphs_skip_compressed_batches, HookType.AROUND)
     HookRegistry.register(_PREFILL_GRAPH_TARGET, graphs_skip_compressed_batches, HookType.AROUND)
     # Requests SGLang drops before they run (lifecycle.py).

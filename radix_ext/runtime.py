@@ -26,7 +26,7 @@ from kvsieve.policies import KVPolicyError, KVPolicySpec, Need, Policy, PolicyPa
     parse_kv_policy
 
 from . import faults, head_parallel, memory_split, metrics
-from .pages import PageManager, RegionConfig
+from .pages import PAGE_STATE_BYTES, SLOT_STATE_BYTES, PageManager, RegionConfig
 from .tbq_store import QuantPool
 
 logger = logging.getLogger(__name__)
@@ -141,12 +141,15 @@ class KVRuntime:
         if self.region is None:
             page_size = int(os.environ.get("KVSIEVE_REGION_PAGE_SIZE", "16"))
             element = torch.empty((), dtype=dtype).element_size()
-            bytes_per_page = 2 * page_size * head_dim * element
+            # A page's K and V and the state of its slots (pages.SLOT_STATE_BYTES):
+            # the carve holds all of it.
+            state_bytes = page_size * SLOT_STATE_BYTES + PAGE_STATE_BYTES
+            bytes_per_page = 2 * page_size * head_dim * element + state_bytes
             pages = memory_split.region_pages(pool_tokens, num_layers, num_kv_heads, page_size, bytes_per_page,
                                               context_len)
             bits = memory_split.quant_bits()
             # Values are scaled per 16 channels: other head sizes get no quantized pages (no TBQ).
-            quant_page_bytes = QuantPool.bytes_per_page(head_dim, page_size, bits)
+            quant_page_bytes = QuantPool.bytes_per_page(head_dim, page_size, bits) + state_bytes
             quant_pages = 0
             if head_dim % 16 == 0:
                 pages, quant_pages = memory_split.split_quantized(pages, num_layers * num_kv_heads, bytes_per_page,
@@ -160,14 +163,33 @@ class KVRuntime:
             metrics.record_region(0, pages)
             metrics.record_quantized_pages(0, quant_pages)
             pool_mib = pool_tokens * num_layers * num_kv_heads * 2 * head_dim * element / 2**20
+            work = memory_split.workspace
+            if work is not None:
+                metrics.record_planned_bytes(work.parts())
+                self._check_workspace_fits(work)
             # Warning level: SGLang's scheduler logs only warnings by default,
             # and operators need this split at start-up.
             logger.warning(
                 "kvsieve KV memory split: SGLang token pool %.1f MiB (%d tokens), compressed region "
-                "%.1f MiB (%d pages x %d slots per (layer, kv head)) + %.1f MiB of %d-bit quantized pages (%d)",
+                "%.1f MiB (%d pages x %d slots per (layer, kv head), slot state included) + %.1f MiB of %d-bit "
+                "quantized pages (%d); %s",
                 pool_mib, pool_tokens, pages * bytes_per_page / 2**20, pages, page_size,
-                quant_pages * quant_page_bytes / 2**20, bits, quant_pages)
+                quant_pages * quant_page_bytes / 2**20, bits, quant_pages,
+                work.describe() if work is not None else "no GPU workspace (CPU)")
         return self.region
+
+    @staticmethod
+    def _check_workspace_fits(work) -> None:
+        """With a fixed region (KVSIEVE_REGION_PAGES) nothing was carved for
+        the workspace: what is free once the region is allocated must hold
+        it, or the start fails here rather than a step mid-run."""
+        if memory_split.carved_bytes is not None or not torch.cuda.is_available():
+            return
+        free, _ = torch.cuda.mem_get_info()
+        if free < work.total:
+            raise ValueError(
+                f"KVSIEVE_REGION_PAGES: the region leaves {free / 2**20:.0f} MiB of GPU memory free, less than "
+                f"kvsieve's {work.describe()}; lower KVSIEVE_REGION_PAGES or --max-running-requests")
 
     # ----- request lifecycle (scheduler hooks) ------------------------------
     def admit(self, rid: str, custom_params: Optional[dict], prompt_len: int, sgl_req=None) -> None:
@@ -374,6 +396,7 @@ class KVRuntime:
         if self._snapshot is not None or (not force and now - self._last_refresh < REFRESH_INTERVAL_S):
             return
         self._last_refresh = now
+        metrics.record_gpu_memory()
         live = [r for r in self.requests.values() if self.region.row_of(r.rid) >= 0 and not r.overflowed]
         if not live:
             return

@@ -1,0 +1,161 @@
+"""GPU memory kvsieve uses beyond SGLang's own, planned at start-up.
+
+SGLang sizes its KV budget as what --mem-fraction-static leaves after the
+weights; the rest (the slack) is for its own activations and CUDA-graph
+pools. kvsieve's extras used to come out of that slack unplanned, and at the
+headline's scale (640 rows, a 45 GB region on an H100) they did not fit: a
+decision gathered the whole batch's keys inside a graph capture. Now they
+are carved out of the KV budget before the pool/region split
+(memory_split.carve_region), so the region is what is really left:
+
+  page_table        [rows, layers, kv heads, columns] int64, columns planned
+                    for KVSIEVE_PLANNED_HEAD_TOKENS tokens a head
+  decision_scratch  KVSIEVE_DECISION_SCRATCH_MB of keys a decision gathers
+                    at once (step_meta.chunk_key_readers), times what it
+                    derives from them, in an eager and a captured pass
+  pass_scratch      the per-layer pass's [rows, heads, slots] tensors (view
+                    gathers, observations, evictions), bounded by the
+                    region's slots per layer: one pass eager, one in the
+                    graph pool every captured shape shares
+  forward_graph     the decoder stack's activations at `rows`, replayed
+                    from the same pool (forward_graphs.py)
+  tbq_staging       a TBQ flush chunk (tbq_store.FLUSH_ROWS table rows)
+
+Rows: `--max-running-requests` (SGLang's estimate when unset) is lowered at
+start, with a log line saying why, to the most rows whose plan fits in
+KVSIEVE_WORKSPACE_SHARE (default 0.25) of the KV budget (radix_ext/plugin:
+resolve_max_num_reqs), never discovered short mid-run. The plan is logged
+with the memory split and exported as kvsieve_planned_bytes{part}.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+#: Bytes a per-layer pass holds per slot of its rows: the view's gathers
+#: (valid 1, position 8, score 4, last_hit 4), observations (up to 3 x 4),
+#: eviction masks (2), a policy's top-k values and indices (12), the
+#: write-back's index tensors (8 x 2), rounded up for padding to buckets.
+PASS_BYTES_PER_SLOT = 96
+#: A decision derives about this many key-sized tensors from its keys
+#: (norms, weighted products), eager and captured: the scratch bound's factor.
+DECISION_SCRATCH_FACTOR = 4
+#: Activation tensors of one decoder layer the captured stack keeps live at
+#: once: hidden-sized and intermediate-sized (gate/up, their product).
+FORWARD_HIDDEN_TENSORS, FORWARD_INTERMEDIATE_TENSORS = 4, 3
+TBQ_BYTES_PER_SLOT = 40  # a flush's [rows, heads, columns x slots] ranks, orders, destinations
+
+HEAD_TOKENS_ENV = "KVSIEVE_PLANNED_HEAD_TOKENS"
+DEFAULT_HEAD_TOKENS = 4096
+SHARE_ENV = "KVSIEVE_WORKSPACE_SHARE"
+DEFAULT_SHARE = 0.25
+#: Rows planned where SGLang picks max_running_requests itself.
+DEFAULT_ROWS = 1024
+
+
+def planned_head_tokens(context_len: int) -> int:
+    raw = os.environ.get(HEAD_TOKENS_ENV, str(DEFAULT_HEAD_TOKENS))
+    try:
+        tokens = int(raw)
+    except ValueError:
+        raise ValueError(f"{HEAD_TOKENS_ENV}={raw!r}: must be a whole number of tokens") from None
+    if tokens < 16:
+        raise ValueError(f"{HEAD_TOKENS_ENV}={raw}: must be at least 16 (tokens one (layer, kv head) may hold)")
+    return min(tokens, max(context_len, 16))
+
+
+def workspace_share() -> float:
+    raw = os.environ.get(SHARE_ENV, str(DEFAULT_SHARE))
+    try:
+        share = float(raw)
+    except ValueError:
+        raise ValueError(f"{SHARE_ENV}={raw!r}: must be a number in (0, 1)") from None
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"{SHARE_ENV}={raw}: must be in (0, 1): the most of SGLang's KV budget kvsieve's "
+                         "workspace (page table, decision and pass scratch, graph pools) may take")
+    return share
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    kv_heads: int  # on this rank
+    head_dim: int
+    element: int  # bytes of a K or V element
+    hidden: int
+    intermediate: int
+    context_len: int
+    page_size: int = 16
+
+
+@dataclass(frozen=True)
+class Workspace:
+    rows: int
+    columns: int
+    page_table: int
+    decision_scratch: int
+    pass_scratch: int
+    forward_graph: int
+    tbq_staging: int
+
+    @property
+    def total(self) -> int:
+        return self.page_table + self.decision_scratch + self.pass_scratch + self.forward_graph + self.tbq_staging
+
+    def parts(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("rows", "columns")}
+
+    def describe(self) -> str:
+        mib = {k: f"{v / 2**20:.0f}" for k, v in self.parts().items()}
+        return (f"workspace {self.total / 2**20:.0f} MiB planned for {self.rows} rows (page table {mib['page_table']} "
+                f"at {self.columns} columns, decision scratch {mib['decision_scratch']}, pass scratch "
+                f"{mib['pass_scratch']}, forward graph {mib['forward_graph']}, TBQ staging {mib['tbq_staging']})")
+
+
+def slot_bytes(shape: ModelShape) -> int:
+    """Bytes of one region slot: K and V plus its state (pages.SLOT_STATE_BYTES)."""
+    from .pages import PAGE_STATE_BYTES, SLOT_STATE_BYTES
+
+    return 2 * shape.head_dim * shape.element + SLOT_STATE_BYTES + -(-PAGE_STATE_BYTES // shape.page_size)
+
+
+def plan(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -> Workspace:
+    """The workspace of `rows` running rows when the region takes
+    `region_fraction` of what is left of `kv_budget` bytes."""
+    from .step_meta import decision_scratch_bytes
+    from .tbq_store import FLUSH_ROWS
+
+    columns = -(-planned_head_tokens(shape.context_len) // shape.page_size) + 2  # budget + a buffer's slack
+    table = rows * shape.num_layers * shape.kv_heads * columns * 8
+    decision = DECISION_SCRATCH_FACTOR * decision_scratch_bytes()
+    slots_per_layer = int(kv_budget * region_fraction) // (slot_bytes(shape) * shape.num_layers)
+    pass_scratch = 2 * PASS_BYTES_PER_SLOT * slots_per_layer
+    forward = rows * (FORWARD_HIDDEN_TENSORS * shape.hidden + FORWARD_INTERMEDIATE_TENSORS * shape.intermediate) \
+        * shape.element
+    tbq = min(FLUSH_ROWS, rows * shape.num_layers) * shape.kv_heads * columns * shape.page_size * TBQ_BYTES_PER_SLOT
+    return Workspace(rows=rows, columns=columns, page_table=table, decision_scratch=decision,
+                     pass_scratch=pass_scratch, forward_graph=forward, tbq_staging=tbq)
+
+
+def fit_rows(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -> tuple[int, Workspace]:
+    """The most rows (at most `rows`) whose workspace fits in the share of
+    the KV budget, and that workspace."""
+    cap = workspace_share() * kv_budget
+    work = plan(shape, rows, kv_budget, region_fraction)
+    if work.total <= cap:
+        return rows, work
+    lo, hi = 1, rows
+    while lo < hi:  # the plan grows with rows
+        mid = (lo + hi + 1) // 2
+        if plan(shape, mid, kv_budget, region_fraction).total <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    work = plan(shape, lo, kv_budget, region_fraction)
+    if work.total > cap:
+        raise ValueError(f"{SHARE_ENV}={workspace_share()}: kvsieve's workspace for one row "
+                         f"({work.total / 2**20:.0f} MiB) exceeds that share of the KV budget "
+                         f"({kv_budget / 2**20:.0f} MiB); raise --mem-fraction-static, "
+                         f"lower KVSIEVE_DECISION_SCRATCH_MB or {HEAD_TOKENS_ENV}")
+    return lo, work
