@@ -154,6 +154,14 @@ class Policy:
     #: batch of requests at different phases of their cadence then keeps its
     #: step shapes, and replays its captured graphs, from step to step.
     pads_decisions: ClassVar[bool] = False
+    #: Whether a group's decision may run on any split of its rows in
+    #: separate calls (each row's result depends on that row alone, and no
+    #: host state is keyed by the group): the engine then decides in row
+    #: chunks that bound the keys it gathers (step_meta.chunk_key_readers)
+    #: and retries a decision that ran out of GPU memory on halves of the
+    #: group. CrystalCache hands its breath-cycle snapshot to the host per
+    #: group: it decides whole.
+    decides_rows_apart: ClassVar[bool] = True
 
     # ----- batched decisions (inside the forward) ---------------------------
     def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:

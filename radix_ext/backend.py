@@ -377,7 +377,7 @@ class KvsieveAttnBackend(AttentionBackend):
             if faults.capturing():
                 raise  # a capture that fails is dropped (region_graphs.RegionGraphs.run)
             n = len(group.members)
-            if faults.is_out_of_memory(exc) and n > 1 and group.splittable():
+            if faults.is_out_of_memory(exc) and n > 1 and group.policy.decides_rows_apart and group.splittable():
                 del exc  # its traceback holds the tensors that did not fit
                 metrics.DECISION_RETRIES.labels(group.policy.name).inc()
                 if torch.cuda.is_available():

@@ -360,7 +360,10 @@ class KVRuntime:
     def _usage(self, req: CompressedRequest) -> dict:
         cfg = self.region.config
         row = self.region.row_of(req.rid)
-        held = self.region.held_tokens([req.rid])[0] if self.region.owns(req.rid) else 0
+        # A request that never reached a decode step (max_tokens 1, prompt in
+        # the radix cache) was never bound: its pages were never cleared
+        # (bind clears them) and hold the previous owner's slots, not its own.
+        held = self.region.held_tokens([req.rid])[0] if self.region.owns(req.rid) and row >= 0 else 0
         evicted, events = self.counters[row].tolist() if row >= 0 else (0, 0)
         size = int(self.region.retained_bytes_of_rows(to_device([row], torch.int64, self.counters.device))[0]) \
             if row >= 0 else 0

@@ -120,7 +120,8 @@ def chunk_key_readers(groups: list, limit: int) -> list:
     for group in groups:
         n = len(group.members)
         reads_keys = group.policy.needs & (Need.KEYS | Need.LAYER0_KEYS)
-        if group.action != "decide" or not reads_keys or n <= limit or not group.splittable():
+        if (group.action != "decide" or not reads_keys or n <= limit or not group.policy.decides_rows_apart
+                or not group.splittable()):
             out.append(group)
             continue
         out += [group.subset(list(range(i, min(i + limit, n))), "decide") for i in range(0, n, limit)]

@@ -234,9 +234,12 @@ def test_decisions_that_read_keys_come_in_row_chunks_within_the_scratch_bound(mo
                            inputs={}, pool_rows=t, members=list(range(n)), action=action,
                            requests=[f"r{i}" for i in range(n)])
 
-    out = chunk_key_readers([group("rkv", 5), group("streaming", 5), group("rkv", 5, "observe")], 2)
+    # crystalcache reads keys too but decides whole (its snapshot is keyed by the group).
+    out = chunk_key_readers([group("rkv", 5), group("streaming", 5), group("rkv", 5, "observe"),
+                             group("crystalcache", 5)], 2)
     assert [(g.policy.name, g.action, g.members) for g in out] == [
         ("rkv", "decide", [0, 1]), ("rkv", "decide", [2, 3]), ("rkv", "decide", [4]),
-        ("streaming", "decide", [0, 1, 2, 3, 4]), ("rkv", "observe", [0, 1, 2, 3, 4])]
+        ("streaming", "decide", [0, 1, 2, 3, 4]), ("rkv", "observe", [0, 1, 2, 3, 4]),
+        ("crystalcache", "decide", [0, 1, 2, 3, 4])]
     assert [g.rows.tolist() for g in out[:3]] == [[0, 1], [2, 3], [4]]
     assert out[2].requests == ["r4"] and out[1].params["x"].tolist() == [2, 3]

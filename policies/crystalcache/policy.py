@@ -104,6 +104,7 @@ class CrystalCachePolicy(Policy):
     name = "crystalcache"
     Params = CrystalCacheParams
     needs = Need.LAYER0_ATTENTION | Need.LAYER0_KEYS | Need.ATTENTION | Need.TOKEN_IDS
+    decides_rows_apart = False  # the breath-cycle snapshot is keyed by the group's row count (_snap_states)
     keeps_slot_state = True  # the first layer's view.score: attention received since the last snapshot
     compress_prompt = True
     graph_safe = False
