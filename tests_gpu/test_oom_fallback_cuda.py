@@ -8,9 +8,10 @@ R1-Distill-Qwen-7B's attention shapes (tests/helpers/region_pass.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kvsieve.policies import register_policy
+from kvsieve.policies import register_policy, registry
 from kvsieve.policies.h2o import H2OPolicy
 from kvsieve.radix_ext import metrics
 from kvsieve.radix_ext.region_graphs import RegionGraphs
@@ -20,7 +21,6 @@ from helpers.region_pass import QWEN_7B, run_steps
 LIMIT = 16
 
 
-@register_policy
 class OutOfMemoryOverRows(H2OPolicy):
     name = "test_oom_over_rows"
     graph_safe = True
@@ -31,6 +31,15 @@ class OutOfMemoryOverRows(H2OPolicy):
             free, _ = torch.cuda.mem_get_info()
             torch.empty(free + 2**30, dtype=torch.uint8, device="cuda")  # torch.OutOfMemoryError
         return super().select_decode(batch, view, obs)
+
+
+@pytest.fixture(autouse=True)
+def oom_policy():
+    """Registered for these tests only: graph_safe, it would otherwise join
+    test_region_pass_cuda.py's policies (collected after this module)."""
+    register_policy(OutOfMemoryOverRows)
+    yield
+    registry._POLICIES.pop(OutOfMemoryOverRows.name, None)
 
 
 ARGS = dict(rows=64, prompt=128, steps=24, shapes=QWEN_7B, budget=16, device="cuda")
