@@ -5,8 +5,9 @@ One device call on an H100 (under 9 minutes, first graph capture included):
     bash .whl/device-setup.sh && python3 -m pip install -q --no-deps --target /tmp/site2 .gpu/*.whl && PYTHONPATH=/tmp/site2:/tmp/site python3 bench/gpu_smoke.py --out $OUT/gpu-smoke.json --commit SHA
 
 (`.gpu/` holds the project's wheel, `pip wheel --no-deps . -w .gpu/`; the
-working tree travels without `.git`, so pass the commit with `--commit`, or
-set KVSIEVE_COMMIT; where `git rev-parse HEAD` works it wins.)
+device's copy of the tree may hold a `.git` of another commit, so pass the
+commit the wheel was built from with `--commit` (it wins over `git rev-parse
+HEAD`, then KVSIEVE_COMMIT).)
 
 On this machine's CPU, the same logic end to end on tests/tiny_models.py's
 Llama (built into /tmp when `--model tiny`), in a minute or two:
@@ -116,7 +117,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--solo-only", action="store_true",
                     help="each policy alone, no mixed batch and no repeat (a long-generation stress run at a "
                          "real budget, e.g. --policies rkv,thinkv --budget 1024 --tokens 1200)")
-    ap.add_argument("--commit", default=None, help="recorded when `git rev-parse HEAD` does not work here")
+    ap.add_argument("--commit", default=None, help="the commit the wheel was built from (wins over `git rev-parse HEAD`)")
     ap.add_argument("--quick", action="store_true",
                     help="small defaults for a CPU logic check: --device cpu --model tiny --rows 4 --budget 8 "
                          "--tokens 24 --kv-tokens 16384 (explicit options win)")
@@ -144,6 +145,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ----- provenance -----
 
 def commit_of(explicit: str | None) -> dict:
+    # An explicit commit wins: the device's copy of the tree may carry a
+    # .git of another commit than the wheel that runs.
+    if explicit:
+        return {"commit": explicit, "commit_source": "--commit"}
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
@@ -152,8 +157,6 @@ def commit_of(explicit: str | None) -> dict:
             return {"commit": out.stdout.strip(), "commit_source": "git", "tracked_changes": bool(dirty)}
     except (OSError, subprocess.SubprocessError):
         pass
-    if explicit:
-        return {"commit": explicit, "commit_source": "--commit"}
     if os.environ.get("KVSIEVE_COMMIT"):
         return {"commit": os.environ["KVSIEVE_COMMIT"], "commit_source": "KVSIEVE_COMMIT"}
     return {"commit": "unknown", "commit_source": None}
