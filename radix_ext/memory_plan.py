@@ -66,15 +66,10 @@ def planned_head_tokens(context_len: int) -> int:
 
 
 def workspace_share() -> float:
-    raw = os.environ.get(SHARE_ENV, str(DEFAULT_SHARE))
-    try:
-        share = float(raw)
-    except ValueError:
-        raise ValueError(f"{SHARE_ENV}={raw!r}: must be a number in (0, 1)") from None
-    if not 0.0 < share < 1.0:
-        raise ValueError(f"{SHARE_ENV}={raw}: must be in (0, 1): the most of SGLang's KV budget kvsieve's "
-                         "workspace (page table, decision and pass scratch, graph pools) may take")
-    return share
+    from .memory_split import fraction_from_env
+
+    return fraction_from_env(SHARE_ENV, DEFAULT_SHARE, "the most of SGLang's KV budget kvsieve's workspace "
+                             "(page table, decision and pass scratch, graph pools) may take")
 
 
 @dataclass(frozen=True)

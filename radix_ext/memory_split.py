@@ -31,16 +31,21 @@ carved_bytes: Optional[int] = None
 workspace = None
 
 
-def region_fraction() -> float:
-    raw = os.environ.get(FRACTION_ENV, str(DEFAULT_FRACTION))
+def fraction_from_env(name: str, default: float, meaning: str) -> float:
+    """A setting that must be a number in (0, 1); the error names it and says what it is."""
+    raw = os.environ.get(name, str(default))
     try:
         fraction = float(raw)
     except ValueError:
-        raise ValueError(f"{FRACTION_ENV}={raw!r}: must be a number in (0, 1)") from None
+        raise ValueError(f"{name}={raw!r}: must be a number in (0, 1)") from None
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"{FRACTION_ENV}={raw}: must be in (0, 1): the share of SGLang's KV memory "
-                         "(--mem-fraction-static) given to the compressed region; the rest is the token pool")
+        raise ValueError(f"{name}={raw}: must be in (0, 1): {meaning}")
     return fraction
+
+
+def region_fraction() -> float:
+    return fraction_from_env(FRACTION_ENV, DEFAULT_FRACTION, "the share of SGLang's KV memory "
+                             "(--mem-fraction-static) given to the compressed region; the rest is the token pool")
 
 
 def carve_region(original, configurator, *args, **kwargs) -> int:
