@@ -12,7 +12,8 @@ from ops.paths import PROMETHEUS_CONFIG, RULES, RULES_TEST, tool
 from ops.promql import rules
 
 ALERTS = {"KvsieveTokenPoolNearlyFull", "KvsieveRegionNearlyFull", "KvsieveEvictionStorm",
-          "KvsieveTPOTObjectiveBreached", "KvsieveHighErrorRate", "KvsieveReplicaDown", "KvsieveAbsent"}
+          "KvsieveTPOTObjectiveBreached", "KvsieveHighErrorRate", "KvsievePolicyFault", "KvsieveReplicaDown",
+          "KvsieveAbsent"}
 
 
 def promtool(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -22,7 +23,7 @@ def promtool(*args: str, cwd=None) -> subprocess.CompletedProcess:
 def test_rules_pass_promtool_check():
     out = promtool("check", "rules", str(RULES))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 13 rules found" in out.stdout
+    assert "SUCCESS: 14 rules found" in out.stdout
 
 
 def test_compose_prometheus_config_passes_promtool_check():
