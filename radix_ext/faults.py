@@ -70,13 +70,15 @@ def fail_requests(requests, policy_name: str, stage: str, exc: BaseException) ->
 
 
 @contextmanager
-def guard(stage: str, policy_name: str, requests):
+def guard(stage: str, policy_name: str, requests, passes: tuple = ()):
     """Run policy code; on an exception end `requests` with an error and
     raise PolicyFault, which the caller catches to go on without the result.
-    Inside a CUDA graph capture the exception propagates as it is."""
+    Exceptions of the types in `passes` (at admission: KVPolicyError, the
+    client's bad input, answered with a 400 naming the field) propagate as
+    they are, and so does anything inside a CUDA graph capture."""
     try:
         yield
-    except PolicyFault:
+    except (PolicyFault, *passes):
         raise
     except Exception as exc:  # noqa: BLE001 - any fault of policy code stays with its requests
         if capturing():

@@ -209,7 +209,7 @@ class KVRuntime:
         req = CompressedRequest(rid=rid, spec=spec, policy=policy, params=params, prompt_len=prompt_len,
                                 sgl_req=sgl_req)
         try:
-            with faults.guard("admit", spec.name, []):
+            with faults.guard("admit", spec.name, [], passes=(KVPolicyError,)):
                 req.state = policy.begin_request(params, cfg.num_layers, cfg.num_kv_heads)
                 # Groups of generated tokens only: a prompt in the region stays in full precision.
                 req.tbq = policy.quantizes(params) and self.region.quant is not None and not spec.prompt_compressed
