@@ -180,6 +180,17 @@ REQUEST_ERRORS = Counter(
     ["policy", "stage"],
     registry=None,
 )
+
+
+def init_request_errors(policies, stages) -> None:
+    """A zero series for every compressing policy and stage: the series
+    exists before the first fault, so that fault is an increase
+    (KvsievePolicyFault) and dashboards find the metric on a healthy server."""
+    for policy in policies:
+        for stage in stages:
+            REQUEST_ERRORS.labels(policy, stage)
+
+
 DECISION_RETRIES = Counter(
     "kvsieve_decision_oom_retries_total",
     "Decisions that ran out of GPU memory and were retried in smaller row chunks, by policy.",

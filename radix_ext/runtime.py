@@ -162,6 +162,10 @@ class KVRuntime:
             self.overflow_flags = torch.zeros(max_rows, dtype=torch.bool, device=device)
             metrics.record_region(0, pages)
             metrics.record_quantized_pages(0, quant_pages)
+            if head_parallel.reports_usage():
+                from kvsieve.policies import policy_names
+
+                metrics.init_request_errors([n for n in policy_names() if get_policy(n).compresses], faults.STAGES)
             pool_mib = pool_tokens * num_layers * num_kv_heads * 2 * head_dim * element / 2**20
             work = memory_split.workspace
             if work is not None:
