@@ -20,6 +20,14 @@ steps, keep region_graphs.MAX_SHAPES shapes, and round thinkv's cut-step
 shapes up to powers of two (all three from 2026-11-26): "exact" is not the
 engine before that day, which replayed less.
 
+The pass is captured in segments (since 2026-11-27, radix_ext/region_graphs.py):
+the attention of every row, and each policy group. Reported per run:
+`replayed_share` (steps whose attention segment replays), `group_replayed_share`
+(group segments that replay, of all groups in the measured steps),
+`whole_step_share` (steps whose every segment replays: the decoder stack
+may replay whole), `distinct_shapes` (distinct whole compositions).
+`--policies a+b+c` deals the requests to several policies in turn (a mixed batch).
+
 Workload: `--rows` requests decoding at any time, each generating a length
 drawn uniformly from [gen/2, 3 gen/2]; an ended request's successor joins
 1-4 steps later (its prefill). The first requests start together with
@@ -65,9 +73,12 @@ class _Decode:
 
 def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets: bool, seed: int = 0) -> dict:
     rng = random.Random(seed)
-    cls = get_policy(policy)
-    pads_decisions = cls.pads_decisions
-    cls.pads_decisions = pads_decisions and buckets
+    # "a+b+c": a mixed batch, requests dealt to the policies in turn.
+    names = policy.split("+")
+    classes = [get_policy(n) for n in names]
+    pads_decisions = [c.pads_decisions for c in classes]
+    for c, pads in zip(classes, pads_decisions):
+        c.pads_decisions = pads and buckets
     max_gen = gen * 3 // 2 + 1
     pages_per_request = -(-(budget + 600) // 16) + 1  # crystal_kv keeps room for its answer (512)
     max_rows = rows + 8
@@ -88,10 +99,10 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
     def join(shortest: int) -> None:
         nonlocal counter
         rid, row = f"r{counter}", free_rows.pop()
-        counter += 1
         length = rng.randint(shortest, gen * 3 // 2)
-        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget}}, prompt_len=PROMPT,
+        RUNTIME.admit(rid, {"kv_policy": {"name": names[counter % len(names)], "budget": budget}}, prompt_len=PROMPT,
                       sgl_req=SimpleNamespace(req_pool_idx=row, to_finish=None))
+        counter += 1
         req = RUNTIME.requests[rid]
         RUNTIME.reserve(req, 0, max_gen)
         req.prefix_len = PROMPT
@@ -99,7 +110,7 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
 
     for _ in range(rows):
         join(1)
-    replayed = eager = padded = real = 0
+    replayed = eager = padded = real = groups_seen = groups_replayed = whole = 0
     build_s = []  # host time of each measured step's StepBuilder.build
     keys = set()
     started = time.perf_counter()
@@ -119,13 +130,18 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
                 build_s.append(time.perf_counter() - t0)
             region = step.region
             captured_before = list(graphs.cache.values())
+            groups_before = {id(g) for g in graphs.groups.values()}
             graphs.begin_step(step, needs_keys=False)
             entry = graphs.current
             was_captured = entry is not None and any(e is entry for e in captured_before)
+            group_hits = [g is not None and id(g) in groups_before for _, g in graphs.step_groups]
             if s >= 0:
                 replayed += was_captured
                 eager += not was_captured
-                keys.add(signature(step, False))
+                groups_seen += len(region.groups)
+                groups_replayed += sum(group_hits) if was_captured else 0
+                whole += was_captured and len(group_hits) == len(region.groups) and all(group_hits)
+                keys.add(graphs.composition if graphs.composition is not None else signature(step, False))
                 padded += region.pool_rows.shape[0] - region.real
                 real += region.real
             for r in rids:
@@ -139,9 +155,13 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
         for r in list(live):
             RUNTIME.end(r)
         RUNTIME.region = None
-        cls.pads_decisions = pads_decisions
+        for c, pads in zip(classes, pads_decisions):
+            c.pads_decisions = pads
     return {"policy": policy, "rows": rows, "mode": "buckets" if buckets else "exact", "steps": steps,
-            "replayed_share": round(replayed / steps, 4), "eager_steps": eager, "distinct_shapes": len(keys),
+            "replayed_share": round(replayed / steps, 4), "eager_steps": eager,
+            "group_replayed_share": round(groups_replayed / max(groups_seen, 1), 4),
+            "whole_step_share": round(whole / steps, 4), "groups_per_step": round(groups_seen / steps, 2),
+            "distinct_shapes": len(keys),
             "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1),
             "build_ms_per_step": round(1000 * sum(build_s) / len(build_s), 2),
             "build_ms_p50": round(1000 * sorted(build_s)[len(build_s) // 2], 2)}

@@ -62,6 +62,18 @@ def _platform_backend(model_runner):
     return TorchNativeAttnBackend(model_runner)
 
 
+def observed_rows(policy, obs: Observations, rows: torch.Tensor) -> Observations:
+    """The observations `policy` asked for (Policy.needs), of `rows`: a
+    group reads only its own kinds, so its captured pass does not depend on
+    what the other groups of the step asked for."""
+    needs = policy.needs
+
+    def pick(kind, t):
+        return t[rows] if t is not None and needs & kind else None
+    return Observations(attention=pick(Need.ATTENTION, obs.attention), pv_norm=pick(Need.PV_NORM, obs.pv_norm),
+                        sparsity=pick(Need.SPARSITY, obs.sparsity))
+
+
 def _private_ids(req) -> list:
     """The private prompt's token ids, from SGLang's Req (host lists); -1s
     when the request has none (direct engine use)."""
@@ -154,7 +166,8 @@ class KvsieveAttnBackend(AttentionBackend):
         if self.graphs is not None:
             decode = self.step is not None and self.step.region is not None and self.step.extend is None
             if decode and not recording():
-                self.graphs.begin_step(self.step, needs_keys=bool(self.step.region.needs & Need.KEYS))
+                self.graphs.begin_step(self.step, needs_keys=bool(self.step.region.needs & Need.KEYS),
+                                       table=self.pages.table)
             else:
                 self.graphs.current = None
             if self.forward_graphs is not None:
@@ -223,7 +236,7 @@ class KvsieveAttnBackend(AttentionBackend):
         if step.zero_batch_index is not None:
             o3.index_fill_(0, step.zero_batch_index, 0)
         if step.region is not None:
-            if self.graphs is None or not self.graphs.run(self._decode_region, layer, q3, k3, v3, o3):
+            if self.graphs is None or not self.graphs.run(self, layer, q3, k3, v3, o3):
                 self._decode_region(q3, k3, v3, o3, layer, step)
             self.flush_groups(step, slice(layer.layer_id, layer.layer_id + 1))
         return o3.flatten(1)
@@ -291,14 +304,21 @@ class KvsieveAttnBackend(AttentionBackend):
         return k, v, view
 
     def _decode_region(self, q3, k3, v3, o3, layer, step):
+        """The compressed rows' decode pass of one layer, eagerly (or inside
+        a whole-stack capture): store and attend, then each policy group."""
+        obs = self.decode_attend(q3, k3, v3, o3, layer, step)
+        for group in step.region.groups:
+            self.decode_group(group, layer, obs)
+
+    def decode_attend(self, q3, k3, v3, o3, layer, step) -> Observations:
+        """Steps 1-2 for every region row: store the new token, attend, and
+        return the observations the groups asked for."""
         rows, p = step.region, self.pages
         table = rows.tables[:, layer.layer_id]  # [R, H, M]
         R, H, M = table.shape
         P = p.config.page_size
         idx = rows.batch_index
-        first = layer.layer_id == 0
-        needs = rows.needs if first else rows.later_needs
-        keeps_state = rows.keeps_state if first else rows.later_keeps_state
+        needs = rows.needs if layer.layer_id == 0 else rows.later_needs
         # 1. The new token goes to each (row, head)'s first free slot.
         with span("kvsieve.store"):
             real = (table < p.null_page).unsqueeze(-1)  # full-precision pages (TBQ: the first column only)
@@ -331,51 +351,33 @@ class KvsieveAttnBackend(AttentionBackend):
                 out, obs = attend_rows(q3[idx].unsqueeze(1), pk, pv, rows.prefix_mask, rk, rv,
                                        view.valid.unsqueeze(1), layer.scaling, needs)
                 o3[idx[:rows.real]] = out[:rows.real, 0].to(o3.dtype)  # padded rows' outputs dropped
-        if self.use_kernel:
-            with span("kvsieve.view"):  # what the decisions read of the slots (keys: per deciding group)
-                view = self._view(table, keys=False, state=keeps_state)
-        # 3-4. Decide and evict.
-        self._decide(layer, table, view, obs, rows.groups, keeps_state, rows.pool_rows, prefill=False)
+        return obs
 
-    def _decide(self, layer, table, view, obs, groups, keeps_state, pool_rows, prefill):
-        """One batched call per policy group; then write valid bits (and the
-        policy state) back to the region. A group whose policy code fails
-        ends its requests and evicts nothing (faults.py)."""
-        p = self.pages
-        evict = torch.zeros_like(view.valid)
-        evicting = False  # whether any group returned a mask (known on the host)
-        for group in groups:  # one per policy class present (two when only some rows decide), not per row
-            deciding = group.action == "decide"
-            if group.failed or (not deciding and layer.layer_id and group.policy.observes_first_layer_only):
-                continue
-            stage = "prefill" if prefill else ("decide" if deciding else "observe")
-            evicting |= self._decide_group(group, layer, table, view, obs, evict, prefill, stage)
-        if not evicting and not keeps_state:
-            return view.valid  # nothing to clear and no slot state to write back: the region stays as it is
-        with span("kvsieve.evict"):
-            evict &= view.valid
-            shape = (*table.shape, p.config.page_size)
-            if keeps_state:
-                p.score[table] = view.score.reshape(shape)
-                p.last_hit[table] = view.last_hit.reshape(shape)
-            kept = view.valid & ~evict
-            p.valid[table] = kept.reshape(shape)
-            p.position[table] = torch.where(kept, view.position, -1).reshape(shape)
-            RUNTIME.count_evictions(pool_rows, evict.sum(dim=(1, 2)))
-        view.valid = kept
-        return kept
+    def decode_group(self, group, layer, obs) -> None:
+        """Steps 3-4 for one policy group of a decode step: its decision (or
+        observation) over its rows' slots, written back to the region. Reads
+        nothing of other groups, so a captured graph of it replays in any
+        batch composition (region_graphs.py)."""
+        deciding = group.action == "decide"
+        if group.failed or (not deciding and layer.layer_id and group.policy.observes_first_layer_only):
+            return
+        table = self.pages.table[group.pool_rows, layer.layer_id, :, :group.width]  # [Rg, H, M]
+        self._group_pass(group, layer, table, observed_rows(group.policy, obs, group.rows),
+                         prefill=False, stage="decide" if deciding else "observe")
 
-    def _decide_group(self, group, layer, table, view, obs, evict, prefill, stage) -> bool:
-        """Run one group's decision; True when it returned an eviction mask.
-        Out of memory: retried on each half of the group's rows (a decision
-        is per row), down to one row. Any other fault, or one row that still
-        does not fit: the group's requests end with an error and the group
-        sits out the rest of the step."""
+    def _group_pass(self, group, layer, table, obs, prefill, stage) -> None:
+        """Run one group's decision over the slots of its page-table rows
+        `table` [Rg, H, M] and write what it changed back to the region. Out
+        of memory: retried on each half of the group's rows (a decision is
+        per row, and the region is untouched until a decision returns), down
+        to one row. Any other fault, or one row that still does not fit: the
+        group's requests end with an error and it sits out the rest of the
+        step (faults.py)."""
         try:
-            return self._call_policy(group, layer, table, view, obs, evict, prefill, stage)
+            self._call_policy(group, layer, table, obs, prefill)
         except Exception as exc:  # noqa: BLE001 - policy code: its fault stays with its requests
             if faults.capturing():
-                raise  # a capture that fails is dropped (region_graphs.RegionGraphs.run)
+                raise  # a capture that fails is dropped (region_graphs.RegionGraphs)
             n = len(group.members)
             if faults.is_out_of_memory(exc) and n > 1 and group.policy.decides_rows_apart and group.splittable():
                 del exc  # its traceback holds the tensors that did not fit
@@ -383,66 +385,51 @@ class KvsieveAttnBackend(AttentionBackend):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 half = n // 2
-                first = self._decide_group(group.subset(list(range(half)), group.action), layer, table, view,
-                                           obs, evict, prefill, stage)
-                second = self._decide_group(group.subset(list(range(half, n)), group.action), layer, table, view,
-                                            obs, evict, prefill, stage)
-                return first or second
+                for part in (list(range(half)), list(range(half, n))):
+                    index = torch.tensor(part, dtype=torch.long, device=table.device)
+                    self._group_pass(group.subset(part, group.action), layer, table[index], obs.rows(index),
+                                     prefill, stage)
+                return
             faults.fail_requests(group.requests, group.policy.name, stage, exc)
             group.failed = True
-            return False
 
-    def _call_policy(self, group, layer, table, view, obs, evict, prefill, stage) -> bool:
-        g = group.rows
-        H = table.shape[1]
+    def _call_policy(self, group, layer, table, obs, prefill) -> None:
+        """`obs` holds the rows of `table`, in order."""
+        p = self.pages
+        policy = group.policy
         deciding = group.action == "decide"
-        # Every row in one policy (members ascend): the view as it is, no
-        # gathers of the group's rows and no scatters back.
-        whole = len(group.members) == view.valid.shape[0]
         # Keys only for the rows of a decision that reads them (Need.KEYS):
         # a gather of [rows, heads, slots, head_dim], as large as the K read
         # by attention, so never for rows that only observe. Groups that read
         # them come in row chunks bounded by KVSIEVE_DECISION_SCRATCH_MB
         # (step_meta.chunk_key_readers).
-        wants_keys = deciding and (group.policy.needs & Need.KEYS or (layer.layer_id == 0
-                                                                       and group.policy.needs & Need.LAYER0_KEYS))
-        keys = None
-        if wants_keys:
-            if view.keys is not None:  # the PyTorch path gathered them for attention
-                keys = view.keys if whole else view.keys[g]
-            else:
-                keys = self._flat_kv(table if whole else table[g], values=False)[0]
-        # The view holds slot state only on layers where some group keeps
-        # it (a first-layer observer such as crystalcache may decide on a
-        # later layer without it): nothing to hand over or write back then.
-        stateful = group.policy.keeps_slot_state and view.score is not None
-        if whole:
-            sub = SlotView(valid=view.valid, position=view.position, score=view.score, last_hit=view.last_hit,
-                           keys=keys)
-        else:
-            sub = SlotView(valid=view.valid[g], position=view.position[g],
-                           score=view.score[g] if stateful else None,
-                           last_hit=view.last_hit[g] if stateful else None, keys=keys)
-        batch = group.batch(layer.layer_id, H)
+        wants_keys = deciding and bool(policy.needs & Need.KEYS or (layer.layer_id == 0
+                                                                   and policy.needs & Need.LAYER0_KEYS))
+        # Slot state (score, last_hit) only for a policy that keeps it, and
+        # not past the first layer for one that observes the first only.
+        stateful = policy.keeps_slot_state and not (layer.layer_id and policy.observes_first_layer_only)
+        with span("kvsieve.view"):
+            view = self._view(table, keys=wants_keys, state=stateful)
+        batch = group.batch(layer.layer_id, table.shape[1])
         if prefill:
-            decide = group.policy.select_prefill
+            decide = policy.select_prefill
         else:
-            decide = group.policy.select_decode if deciding else group.policy.observe_decode
-        with span(f"kvsieve.{'decide' if deciding else 'observe'}.{group.policy.name}"):
-            chosen = decide(batch, sub, obs if whole else obs.rows(g))
-        if stateful:
-            if whole:
-                view.score, view.last_hit = sub.score, sub.last_hit
-            else:
-                view.score[g] = sub.score
-                view.last_hit[g] = sub.last_hit
-        if chosen is None:
-            return False
-        if whole:
-            evict |= chosen
-        else:
-            evict[g] = chosen
-        return True
+            decide = policy.select_decode if deciding else policy.observe_decode
+        with span(f"kvsieve.{'decide' if deciding else 'observe'}.{policy.name}"):
+            chosen = decide(batch, view, obs)
+        if chosen is None and not stateful:
+            return  # nothing evicted, no slot state: the region stays as it is
+        with span("kvsieve.evict"):
+            shape = (*table.shape, p.config.page_size)
+            if stateful:
+                p.score[table] = view.score.reshape(shape)
+                p.last_hit[table] = view.last_hit.reshape(shape)
+            if chosen is not None:
+                evict = chosen & view.valid
+                kept = view.valid & ~evict
+                p.valid[table] = kept.reshape(shape)
+                p.position[table] = torch.where(kept, view.position, -1).reshape(shape)
+                RUNTIME.count_evictions(group.pool_rows, evict.sum(dim=(1, 2)))
 
     def _extend_region(self, q3, k3, v3, o3, layer, step):
         rows, ext, p = step.region, step.extend, self.pages
@@ -495,7 +482,7 @@ class KvsieveAttnBackend(AttentionBackend):
         if ext.probe and layer.layer_id == 0:
             self._probe_prompt(q3, table, pk, ext, layer.scaling)
         if ext.ending.numel():
-            self._select_prompt(layer, table[ext.ending], ext, rows.pool_rows[ext.ending])
+            self._select_prompt(layer, table[ext.ending], ext)
 
     def _probe_prompt(self, q3, table, pk, ext, scale):
         """Need.LAYER0_ATTENTION (first layer only): probe the rows' prompt
@@ -541,17 +528,19 @@ class KvsieveAttnBackend(AttentionBackend):
                     except faults.PolicyFault:
                         group.failed = True
 
-    def _select_prompt(self, layer, table, ext, pool_rows):
+    def _select_prompt(self, layer, table, ext):
         """The private prompt of these rows is whole: let their policies
         select, then compact each head's kept tokens to its first slots."""
         p = self.pages
         R, H, M = table.shape
         P = p.config.page_size
-        _, _, view = self._slots(table)
         shape = (R, H, M * P)
         obs = Observations(attention=p.prefill_attention[table].reshape(shape))
-        keeps_state = any(g.policy.keeps_slot_state for g in ext.ending_groups)
-        kept = self._decide(layer, table, view, obs, ext.ending_groups, keeps_state, pool_rows, prefill=True)
+        for group in ext.ending_groups:  # rows indexing `ending`, i.e. `table`
+            if not group.failed:
+                self._group_pass(group, layer, table[group.rows], observed_rows(group.policy, obs, group.rows),
+                                 prefill=True, stage="prefill")
+        kept = self._flat(p.valid, table)
         # Compaction: a stable sort puts kept slots first in slot order.
         order = (~kept).to(torch.int8).argsort(dim=-1, stable=True)  # [R, H, S]
         for buffer in (p.k, p.v, p.vnorm, p.valid, p.position, p.score, p.last_hit):

@@ -13,8 +13,9 @@ attention metadata is the token pool's, not ours
 So a decode step is replayed whole when:
 * every row of the batch is a compressed row in the region (no `full`
   rows running SGLang's backend, no rows being aborted), and
-* the step's region-graph entry exists and every layer of it has been
-  captured (its shapes held for at least two steps: region_graphs.py), and
+* every segment of the step's region graphs (the attention and each policy
+  group, region_graphs.py) has been captured in every layer, the step's
+  composition (which segments) was seen lately before, and
 * no steered request is live (its hooks read host state).
 
 A step with a TBQ group flush replays too: the flush (eager, its rows
@@ -25,12 +26,14 @@ left TBQ batches with no whole-step replays.
 
 Then the decoder stack (`model.model.forward`: embedding through the final
 norm; the logits processor and its token observers stay eager) is captured
-once for that entry, reading its input ids and positions from static
-buffers and the compressed pass from the entry's static step metadata
+once for that composition, reading its input ids and positions from static
+buffers and the compressed pass from the segments' static step metadata
 (batch_index 0..R-1: the batch's rows are the region rows, in order). The
 capture records, it does not execute; the step then runs as the first
-replay. An entry's forward graph goes with the entry (least recently used,
-region_graphs.MAX_SHAPES).
+replay. MAX_COMPOSITIONS are kept (least recently used); one whose
+segments' entries were replaced since is captured again. A mixed batch
+whose composition changes every step replays its segments per layer
+instead.
 
 Row counts are bucketed: each policy group is padded to step_meta.row_bucket
 rows (StepBuilder.pad) and the stack runs on the padded rows, whose hidden
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,7 +56,7 @@ import torch
 
 from kvsieve.policies.skipkv import steering
 
-from . import faults, metrics
+from . import faults, metrics, region_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +67,14 @@ def enabled() -> bool:
 
 @dataclass
 class ForwardCapture:
-    """One entry's captured decoder stack: static inputs, graph, output."""
+    """One composition's captured decoder stack: static inputs, the static
+    step its compressed passes read, graph, output."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
+    step: object = None  # region_graphs.RegionGraphs.static_step()
+    members: tuple = ()  # the region-graph entries whose static tensors `step` holds
+    table_version: int = 0  # of the region's page table it reads (region_graphs.RegionGraphs.watch_table)
     graph: object = None
     #: {"hidden": the decoder's output}: recorded once under CUDA graphs (the
     #: replay writes into that tensor), set again by each "rerun" replay.
@@ -112,42 +120,52 @@ class ForwardGraphs:
         self.num_layers = num_layers
         self.original = decoder.forward
         decoder.forward = self._forward  # an instance attribute: nn.Module.__call__ finds it first
-        self.active = None  # the region-graph entry this step replays whole
-        #: The entry whose decoder stack is being recorded (None otherwise): the
-        #: backend then runs each layer's compressed pass on its static metadata.
+        self.active = None  # the composition this step replays whole
+        #: The ForwardCapture being recorded (None otherwise): the backend then
+        #: runs each layer's compressed pass on its static step.
         self.capturing = None
+        #: composition -> ForwardCapture, least recently used first.
+        self.cache: "OrderedDict[tuple, ForwardCapture]" = OrderedDict()
+        #: Compositions whose capture ran out of memory: per-layer replays only.
+        self.no_forward: set = set()
         self.captures = 0
         self.replays = 0
 
     def begin_step(self, step, batch_size: int) -> None:
         """After the region graphs' begin_step, before the forward."""
         self.active = self.step = None
-        entry = self.region.current
-        if (entry is None or entry.no_forward or len(entry.graphs) < self.num_layers
-                or not step_is_whole(step, batch_size)):
+        region = self.region
+        if (region.current is None or not region.composition_seen or region.composition in self.no_forward
+                or not step_is_whole(step, batch_size) or not region.fully_captured(self.num_layers)):
             return
-        self.active, self.step = entry, step
+        self.active, self.step = region.composition, step
 
     def _forward(self, input_ids, positions, forward_batch, *args, **kwargs):
-        entry, self.active = self.active, None  # one forward per step
+        composition, self.active = self.active, None  # one forward per step
         step, self.step = self.step, None
         # input_embeds and pp_proxy_tensors (positional or named) are None in a plain decode.
-        if (entry is None or any(v is not None for v in (*args, *kwargs.values()))
+        if (composition is None or any(v is not None for v in (*args, *kwargs.values()))
                 or input_ids.shape[0] != step.region.real):
             return self.original(input_ids, positions, forward_batch, *args, **kwargs)
         rows = input_ids.shape[0]
-        captured = entry.forward
+        members = self.region.members()
+        captured = self.cache.get(composition)
+        if captured is not None and (not all(a is b for a, b in zip(captured.members, members))
+                                     or captured.table_version != self.region.table_version):
+            captured = None  # its segments' entries or the page table were replaced since
         if captured is None:
-            # The stack runs on the entry's rows, padded ones included (their
+            static = self.region.static_step()
+            # The stack runs on the step's rows, padded ones included (their
             # ids and positions are whatever the buffers hold: outputs dropped).
-            padded = entry.step.region.pool_rows.shape[0]
-            captured = ForwardCapture(input_ids=input_ids.new_zeros(padded), positions=positions.new_zeros(padded))
+            padded = static.region.pool_rows.shape[0]
+            captured = ForwardCapture(input_ids=input_ids.new_zeros(padded), positions=positions.new_zeros(padded),
+                                      step=static, members=members, table_version=self.region.table_version)
             out = {}
 
             def decoder_pass():
                 # The flag is set inside the recorded function, so a "rerun"
                 # replay (region_graphs.Rerun) takes the same static path.
-                self.capturing = entry
+                self.capturing = captured
                 try:
                     out["hidden"] = self.original(captured.input_ids, captured.positions, forward_batch)
                 finally:
@@ -162,7 +180,7 @@ class ForwardGraphs:
                     logger.warning("kvsieve: the decoder stack of this step's shapes could not be captured "
                                    "(%s: %s); they replay per layer", type(exc).__name__, exc)
                     metrics.GRAPH_CAPTURE_FAILURES.labels("forward").inc()
-                    entry.no_forward = True
+                    self.no_forward.add(composition)
                     if torch.cuda.is_available():
                         torch.cuda.synchronize()
                         torch.cuda.empty_cache()
@@ -173,11 +191,15 @@ class ForwardGraphs:
                     self.decoder.forward = self.original
                 return self.original(input_ids, positions, forward_batch, *args, **kwargs)
             captured.output = out
-            entry.forward = captured
+            self.cache[composition] = captured
+            while len(self.cache) > region_graphs.MAX_COMPOSITIONS:
+                self.cache.popitem(last=False)
             self.captures += 1
             metrics.record_graph_capture("forward")
             logger.info("kvsieve: decode steps of %d compressed rows replay the whole decoder stack (%d captures)",
                         input_ids.shape[0], self.captures)
+        else:
+            self.cache.move_to_end(composition)
         captured.input_ids[:rows].copy_(input_ids)
         captured.positions[:rows].copy_(positions)
         captured.graph.replay()

@@ -1,34 +1,53 @@
-"""CUDA graphs of the compressed decode pass, one per layer, keyed by the
-step's shapes.
+"""CUDA graphs of the compressed decode pass, per layer and in segments.
 
 Without graphs the per-layer pass is launch-bound: ~100 small kernels per
 layer (store, gathers, the policies' tensor ops, write-back), each a few
 microseconds of GPU work behind tens of microseconds of Python. In steady
-decode the shapes of a step (rows, page-table width, longest prefix, the
-policy groups and their sizes) stay the same for many steps, so the pass is
-captured once per layer for those shapes and replayed: before the forward
-the new step's metadata is copied into the captured tensors (one copy per
-tensor, once per step), and each layer copies its q/k/v rows in and its
-output rows out around a replay.
+decode the shapes of a step stay the same for many steps, so the pass is
+captured once per layer and replayed: before the forward the step's
+metadata is copied into captured (static) tensors, once per step, and each
+layer copies its q/k/v rows in and its output rows out around the replays.
 
-Shapes seen for the first time run eagerly; the next step of the same
-shapes among the last RECENT_KEYS steps runs the pass eagerly for real,
-then captures it (capture records, it does not execute), so no step is
-applied twice. Decode steps' policy groups are padded to bucketed row
-counts (step_meta.row_bucket, StepBuilder.pad), so requests joining and
-ending mostly keep a step's shapes.
+The pass is captured in segments, so that a batch mixing policies replays
+whatever its composition:
+* the attention segment (store the new token, attend, observations) of all
+  the step's region rows, keyed by the step's row count, page-table width
+  and prefix width (an `_Entry`); its observations go to static buffers of
+  RegionGraphs (`ObservationBuffers`) whose rows' addresses do not depend on
+  the row count;
+* one segment per policy group (decide or observe, then write back), keyed
+  by the group's own shapes only (a `_GroupEntry`): it reads its rows' slots
+  through its own copy of their page-table rows and its rows of the static
+  observations, never the rest of the step.
+A step whose whole composition (attention and every group) was captured
+also replays the whole decoder stack (forward_graphs.py).
+
+In a single-policy batch the groups change little; in a mixed one each
+policy's rows reach their decisions at their own steps, so the set of groups
+changes nearly every step (bench/graph_buckets.py: 53 distinct whole-step
+shapes in 200 steps of eight policies at 640 rows, 2.5% of steps replayed
+when a step was captured whole) while each group's own shapes recur.
+
+Shapes seen for the first time run eagerly; a segment is captured the next
+time its key shows up among the recent ones: that step runs the segment
+eagerly for real on the static tensors, then captures it (capture records,
+it does not execute), so no step is applied twice. Decode steps' policy
+groups are padded to bucketed row counts (step_meta.row_bucket,
+StepBuilder.pad), so requests joining and ending mostly keep the shapes.
 Only policies marked `graph_safe` are captured (and the observing rows of
 those marked `observe_graph_safe`): their decisions are tensor functions of
 (batch, view, obs) whose host-side inputs (shapes, parameter maxima) are
-part of the key. Under tensor parallelism a pass with a collective (a
-policy that `crosses_heads`) runs eagerly; the others replay on every rank.
-SGLang's own graphs keep running batches
-without compressed rows (plugin.graphs_skip_compressed_batches).
+part of the key; other groups run eagerly between the replayed segments.
+Under tensor parallelism a group with a collective (a policy that
+`crosses_heads`) runs eagerly; the others replay on every rank.
+SGLang's own graphs keep running batches without compressed rows
+(plugin.graphs_skip_compressed_batches).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -40,14 +59,22 @@ from . import faults, head_parallel, metrics
 
 logger = logging.getLogger(__name__)
 
-#: Shapes kept captured at once (a graph per layer and one of the decoder
-#: stack each, plus static metadata: about 40 MB at 640 rows of
-#: R1-Distill-Qwen-7B, the page table being most of it); the least recently
-#: used goes. 8: thinkv's cut steps under traffic take turns among more shapes
-#: than 4 (bench/graph_buckets.py: 73% of steps replayed at 64 rows, 42% with 4).
+#: Attention segments kept captured at once (a graph per layer, static
+#: metadata: about 40 MB at 640 rows of R1-Distill-Qwen-7B, the page table
+#: being most of it); the least recently used goes. 8: thinkv's cut steps
+#: under traffic take turns among more shapes than 4 (bench/graph_buckets.py:
+#: 73% of steps replayed at 64 rows, 42% with 4).
 MAX_SHAPES = int(os.environ.get("KVSIEVE_REGION_GRAPH_SHAPES", "8"))
-#: Steps whose shapes count as seen lately (a shape is captured when it comes back).
+#: Group segments kept captured at once (a graph per layer and the group's
+#: static metadata, its page-table rows most of it: ~60 KB a row): ten
+#: policies, each deciding, observing and in a few bucketed sizes.
+MAX_GROUP_SHAPES = int(os.environ.get("KVSIEVE_REGION_GROUP_SHAPES", "64"))
+#: Whole compositions (attention + groups) whose decoder stack is kept captured.
+MAX_COMPOSITIONS = 8
+#: Keys seen lately (a key is captured when it comes back): steps for the
+#: attention segment and compositions, groups for group segments.
 RECENT_KEYS = 16
+RECENT_GROUP_KEYS = 256
 
 
 def mode() -> str:
@@ -84,16 +111,18 @@ class Rerun:
 
 
 def step_tensors(step) -> list[torch.Tensor]:
-    """Every tensor of a decode step's metadata the per-layer pass reads, in
-    a fixed order (not batch_index: the captured pass reads its rows from
-    static inputs in order)."""
+    """The step metadata the attention segment reads, in a fixed order (not
+    batch_index: the captured pass reads its rows from static inputs in
+    order)."""
     rows = step.region
-    out = [rows.pool_rows, rows.tables, rows.prefix_slots, rows.prefix_mask, rows.prefix_lens,
-           rows.positions]
-    for group in rows.groups:
-        out += [group.rows, group.budget, group.step, group.pool_rows]
-        out += [group.params[k] for k in sorted(group.params)]
-        out += [group.inputs[k] for k in sorted(group.inputs)]
+    return [rows.pool_rows, rows.tables, rows.prefix_slots, rows.prefix_mask, rows.prefix_lens, rows.positions]
+
+
+def group_tensors(group) -> list[torch.Tensor]:
+    """The metadata a group segment reads, in a fixed order."""
+    out = [group.rows, group.budget, group.step, group.pool_rows]
+    out += [group.params[k] for k in sorted(group.params)]
+    out += [group.inputs[k] for k in sorted(group.inputs)]
     return out
 
 
@@ -108,75 +137,157 @@ def capturable(group) -> bool:
     return policy.graph_safe or (group.action == "observe" and policy.observe_graph_safe)
 
 
+def _shapes(tensors) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
 def signature(step, needs_keys: bool) -> Optional[tuple]:
-    """The key of a decode step's captured graphs, or None when it must run
-    eagerly (a policy not marked graph_safe, rows being aborted)."""
+    """The key of a decode step's attention segment, or None when the step
+    runs eagerly (rows being aborted)."""
     rows = step.region
     if rows is None or step.zero_batch_index is not None:
         return None
-    groups = []
-    for group in rows.groups:
-        if not capturable(group):
-            return None
-        groups.append((type(group.policy).__qualname__, group.action, tuple(sorted(group.maxima.items())),
-                       tuple(sorted(group.inputs))))
-    shapes = tuple((tuple(t.shape), t.dtype) for t in step_tensors(step))
-    return (shapes, tuple(groups), rows.needs, rows.keeps_state, needs_keys)
+    return (_shapes(step_tensors(step)), rows.needs, rows.later_needs, needs_keys)
+
+
+def group_signature(group) -> Optional[tuple]:
+    """The key of a policy group's segment (its own shapes and host-side
+    inputs only), or None when it runs eagerly."""
+    if not capturable(group):
+        return None
+    return (type(group.policy).__qualname__, group.action, group.width, tuple(sorted(group.maxima.items())),
+            tuple(sorted(group.params)), tuple(sorted(group.inputs)), _shapes(group_tensors(group)))
+
+
+def _static_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+class ObservationBuffers:
+    """Static homes of the attention segment's observations, read by every
+    group segment: per kind, a view [rows, ...] of one flat buffer whose row
+    count is a power of two at least the step's (its rows past the step's
+    hold stale values no group reads), so a group segment's reads do not
+    depend on the step's row count. When a larger view is needed the buffer
+    grows and `generation` changes: every captured segment that wrote or
+    read the old one is recaptured."""
+
+    def __init__(self):
+        self.flat: dict[str, torch.Tensor] = {}
+        self.generation = 0
+
+    def view(self, kind: str, like: torch.Tensor) -> torch.Tensor:
+        rows = max(64, 1 << (like.shape[0] - 1).bit_length())
+        shape = (rows, *like.shape[1:])
+        need = math.prod(shape)
+        flat = self.flat.get(kind)
+        if flat is None or flat.numel() < need or flat.dtype != like.dtype or flat.device != like.device:
+            grown = max(need, 2 * flat.numel()) if flat is not None and flat.dtype == like.dtype else need
+            self.flat[kind] = flat = torch.zeros(grown, dtype=like.dtype, device=like.device)
+            self.generation += 1
+        return flat[:need].view(shape)
+
+    def store(self, obs):
+        """Copy `obs` into the static views; the Observations of those views."""
+        from kvsieve.policies import Observations
+
+        out = {}
+        for kind in ("attention", "pv_norm", "sparsity"):
+            t = getattr(obs, kind)
+            if t is not None:
+                static = self.view(kind, t)
+                static[:t.shape[0]].copy_(t)
+                out[kind] = static
+        return Observations(**out)
 
 
 @dataclass
-class _Captured:
-    step: object  # a StepMeta whose tensors are this entry's static copies
+class _Entry:
+    """The attention segment of one set of step shapes."""
+
+    step: object  # a StepMeta whose region tensors are this entry's static copies (groups: none)
     tensors: list  # step_tensors(step)
     q: Optional[torch.Tensor] = None  # static inputs/outputs of the compressed rows
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
     o: Optional[torch.Tensor] = None
     graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
-    forward: object = None  # the whole decoder stack's graph (forward_graphs.ForwardCapture)
-    no_forward: bool = False  # its decoder-stack capture failed: per-layer replays only
+    obs: dict = field(default_factory=dict)  # layer id -> Observations of the static buffers
+    generation: int = 0  # ObservationBuffers.generation its graphs write
+    failed: bool = False  # a capture failed: its layers run eagerly for the rest of the step
+
+
+@dataclass
+class _GroupEntry:
+    """The segment of one policy group's shapes."""
+
+    group: object  # a PolicyGroup whose tensors are static copies
+    tensors: list  # group_tensors(group)
+    graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
+    generation: int = 0  # ObservationBuffers.generation its graphs read
+    table: object = None  # the page table its graphs read (the region's grows by reallocation)
+    table_version: int = 0  # RegionGraphs.table_version when they were captured
+    eager: bool = False  # its capture failed: it runs eagerly from then on
 
 
 class RegionGraphs:
     def __init__(self, rerun: bool = False):
         self.rerun = rerun
-        self.cache: "OrderedDict[tuple, _Captured]" = OrderedDict()
-        self.current: Optional[_Captured] = None
+        self.cache: "OrderedDict[tuple, _Entry]" = OrderedDict()
+        self.groups: "OrderedDict[tuple, _GroupEntry]" = OrderedDict()
+        self.observations = ObservationBuffers()
+        self.current: Optional[_Entry] = None
+        #: This step's groups, each with its segment's entry (None: eager on the live group).
+        self.step_groups: list = []
+        #: This step's composition: (attention key, group keys), or None;
+        #: whether it was seen lately before this step.
+        self.composition: Optional[tuple] = None
+        self.composition_seen = False
         self.batch_index: Optional[torch.Tensor] = None
         self.real = 0
-        #: Keys of the last RECENT_KEYS steps: a shape is captured the second
-        #: time it shows up among them.
+        self.table = None  # the region's page table as last seen (watch_table)
+        self.table_version = 0
+        #: Keys seen lately: a key is captured the second time it shows up among them.
         self.recent: "OrderedDict[tuple, None]" = OrderedDict()
-        self.captures = 0
+        self.recent_groups: "OrderedDict[tuple, None]" = OrderedDict()
+        self.captures = 0  # attention segments (layer graphs)
         self.replays = 0
-        #: Shapes whose capture failed: eager from then on.
+        self.group_captures = 0  # group segments (layer graphs)
+        self.group_replays = 0
+        #: Attention keys whose capture failed: eager from then on.
         self.eager_keys: set = set()
-        # One memory pool for every captured shape: graphs replay one at a
-        # time and their outputs are copied out right after, so a shape's
-        # temporaries may reuse another's. A pool per shape held the sum of
-        # up to MAX_SHAPES passes' temporaries (skipkv at 512 rows ran out of
-        # memory on an H100); a shared pool holds about the largest.
+        # One memory pool for every captured graph: graphs replay one at a
+        # time and what one leaves for the next is in static tensors, so a
+        # segment's temporaries may reuse another's. A pool per shape held
+        # the sum of up to MAX_SHAPES passes' temporaries (skipkv at 512 rows
+        # ran out of memory on an H100); a shared pool holds about the largest.
         self.pool = None
 
-    def begin_step(self, step, needs_keys: bool) -> None:
-        """Before the forward: pick (or make) the captured entry of this
-        step's shapes and copy the step's metadata into it."""
-        self.current = None
+    @staticmethod
+    def _seen(recent: "OrderedDict", key, limit: int) -> bool:
+        """Record `key` as seen now; whether it was seen lately before."""
+        seen = key in recent
+        recent[key] = None
+        recent.move_to_end(key)
+        while len(recent) > limit:
+            recent.popitem(last=False)
+        return seen
+
+    def begin_step(self, step, needs_keys: bool, table=None) -> None:
+        """Before the forward: pick (or make) the entries of this step's
+        attention segment and groups and copy the step's metadata into them.
+        `table`: the region's page table (watch_table)."""
+        self.watch_table(table)
+        self.current, self.step_groups, self.composition = None, [], None
         key = signature(step, needs_keys)
         if key is None or key in self.eager_keys:
             return
-        seen_before = key in self.recent
-        self.recent[key] = None
-        self.recent.move_to_end(key)
-        while len(self.recent) > RECENT_KEYS:
-            self.recent.popitem(last=False)
+        seen_before = self._seen(self.recent, key, RECENT_KEYS)
         entry = self.cache.get(key)
         if entry is None:
             if not seen_before:
                 # Shapes change every step while requests join (prefills
                 # between decodes): capture only shapes seen before, lately.
-                # (Not only in the step before: requests out of phase
-                # alternate a deciding step's shapes with an observing one's.)
                 return
             entry = self._new_entry(step)
             self.cache[key] = entry
@@ -189,34 +300,109 @@ class RegionGraphs:
         self.current = entry
         self.batch_index = step.region.batch_index  # where the compressed rows are in this step's batch
         self.real = step.region.real  # this step's rows before its padded ones
+        group_keys, ordinal = [], {}
+        for group in step.region.groups:
+            gkey = group_signature(group)
+            if gkey is not None:
+                # Two groups of the same shapes in one step (row chunks) are two segments.
+                ordinal[gkey] = ordinal.get(gkey, -1) + 1
+                gkey = (gkey, ordinal[gkey])
+            group_keys.append(gkey)
+            self.step_groups.append((group, self._group_entry(group, gkey)))
+        self.composition = (key, tuple(group_keys))
+        self.composition_seen = self._seen(self.recent, self.composition, RECENT_KEYS)
+
+    def _group_entry(self, group, gkey) -> Optional[_GroupEntry]:
+        if gkey is None:
+            return None
+        seen_before = self._seen(self.recent_groups, gkey, RECENT_GROUP_KEYS)
+        entry = self.groups.get(gkey)
+        if entry is None or entry.eager:
+            if entry is None and seen_before:
+                entry = self.groups[gkey] = _GroupEntry(group=self._static_group(group), tensors=[])
+                entry.tensors = group_tensors(entry.group)
+                entry.generation = self.observations.generation
+                while len(self.groups) > MAX_GROUP_SHAPES:
+                    self.groups.popitem(last=False)
+                return entry
+            return None
+        self.groups.move_to_end(gkey)
+        for static, fresh in zip(entry.tensors, group_tensors(group)):
+            static.copy_(fresh, non_blocking=True)
+        # This step's requests (a fault ends exactly these) and a fresh flag.
+        entry.group.members, entry.group.requests, entry.group.failed = group.members, group.requests, False
+        return entry
 
     @staticmethod
-    def _new_entry(step) -> _Captured:
+    def _static_group(group):
+        import copy
+
+        g = copy.copy(group)
+        g.rows, g.budget, g.step, g.pool_rows = (_static_copy(group.rows), _static_copy(group.budget),
+                                                 _static_copy(group.step), _static_copy(group.pool_rows))
+        g.params = {k: _static_copy(v) for k, v in group.params.items()}
+        g.inputs = {k: _static_copy(v) for k, v in group.inputs.items()}
+        return g
+
+    @staticmethod
+    def _new_entry(step) -> _Entry:
         import copy
 
         static = copy.copy(step)
         static.region = copy.copy(step.region)
         rows = static.region
         for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "positions"):
-            setattr(rows, name, getattr(rows, name).clone())
+            setattr(rows, name, _static_copy(getattr(rows, name)))
         # The captured pass reads the compressed rows from static inputs, in
         # order, and writes every row's output (padded ones too) to static o.
         rows.batch_index = torch.arange(rows.pool_rows.shape[0], device=rows.pool_rows.device)
         rows.real = rows.pool_rows.shape[0]
-        groups = []
-        for group in rows.groups:
-            g = copy.copy(group)
-            g.rows, g.budget, g.step, g.pool_rows = (group.rows.clone(), group.budget.clone(), group.step.clone(),
-                                                     group.pool_rows.clone())
-            g.params = {k: v.clone() for k, v in group.params.items()}
-            g.inputs = {k: v.clone() for k, v in group.inputs.items()}
-            groups.append(g)
-        rows.groups = groups
-        return _Captured(step=static, tensors=step_tensors(static))
+        rows.groups = []
+        return _Entry(step=static, tensors=step_tensors(static))
 
-    def run(self, run_pass, layer, q3, k3, v3, o3) -> bool:
-        """Run this layer's pass for the compressed rows through the graph of
-        the step's shapes; False when the step runs eagerly (no entry)."""
+    def members(self) -> tuple:
+        """The entries this step's segments use (a whole-stack capture reads
+        their static tensors, so it is valid only while they are these)."""
+        return (self.current, *(g for _, g in self.step_groups))
+
+    def static_step(self):
+        """This step as the captured segments see it: the attention entry's
+        static metadata with every group's static copy, or None when some
+        group has none (it runs eagerly). Forward graphs capture the whole
+        decoder stack on it."""
+        entry = self.current
+        if entry is None or any(g is None for _, g in self.step_groups):
+            return None
+        import copy
+
+        step = copy.copy(entry.step)
+        step.region = copy.copy(entry.step.region)
+        step.region.groups = [g.group for _, g in self.step_groups]
+        return step
+
+    def fully_captured(self, num_layers: int) -> bool:
+        """Whether every segment of this step has a graph in every layer."""
+        entry = self.current
+        if (entry is None or entry.failed or len(entry.graphs) < num_layers
+                or entry.generation != self.observations.generation):
+            return False
+        return all(g is not None and len(g.graphs) >= num_layers and not g.eager
+                   and g.generation == self.observations.generation and g.table_version == self.table_version
+                   for _, g in self.step_groups)
+
+    def watch_table(self, table) -> None:
+        """The region's page table grows by reallocation (pages.py): graphs
+        that read the old one (group segments, whole decoder stacks) must be
+        captured again; `table_version` tells them."""
+        if table is not None and table is not self.table:
+            if self.table is not None:
+                self.table_version += 1
+            self.table = table
+
+    def run(self, backend, layer, q3, k3, v3, o3) -> bool:
+        """Run this layer's pass for the compressed rows through the step's
+        segments (replayed where captured, eagerly on static tensors where
+        not); False when the step runs eagerly as a whole (no entry)."""
         entry = self.current
         if entry is None:
             return False
@@ -227,34 +413,89 @@ class RegionGraphs:
         entry.q.copy_(q3[idx])
         entry.k.copy_(k3[idx])
         entry.v.copy_(v3[idx])
-        graph = entry.graphs.get(layer.layer_id)
-        if graph is None:
-            # This step for real, eagerly, on the static tensors; then capture
-            # the same pass (recorded, not executed) for the next steps.
-            def static_pass():
-                run_pass(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
-
-            faults_before = faults.count
-            static_pass()
-            captured = None
-            if faults.count == faults_before:  # a pass in which a group failed is not one to replay
-                captured = self._try_capture(static_pass, entry)
-            if captured is None:
-                self._give_up(entry)
-            else:
-                entry.graphs[layer.layer_id] = captured
-                self.captures += 1
-                if layer.layer_id == 0:
-                    metrics.record_graph_capture("region")
-        else:
-            graph.replay()
-            self.replays += 1
-            if layer.layer_id == 0:
-                metrics.record_graph_replay("region")
+        obs = self._attend(backend, entry, layer)
+        for group, gentry in self.step_groups:
+            self._group(backend, group, gentry, layer, obs)
         o3[idx[:self.real]] = entry.o[:self.real]  # padded rows' outputs stay behind
         return True
 
-    def _try_capture(self, static_pass, entry):
+    def _attend(self, backend, entry: _Entry, layer):
+        """The attention segment of this layer: replayed, or run eagerly on
+        the static tensors and captured. Its observations, in the static
+        buffers."""
+        lid = layer.layer_id
+        if entry.generation != self.observations.generation:
+            entry.graphs.clear()  # they wrote observation buffers that have grown since
+        graph = entry.graphs.get(lid)
+        if graph is not None:
+            graph.replay()
+            self._count_replay(lid)
+            return entry.obs[lid]
+
+        def attend_pass():
+            obs = backend.decode_attend(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
+            entry.obs[lid] = self.observations.store(obs)
+
+        # This step for real, eagerly, on the static tensors (the static
+        # observation buffers are sized here, outside any capture); then
+        # capture the same pass (recorded, not executed) for the next steps.
+        attend_pass()
+        entry.generation = self.observations.generation
+        if entry.failed:
+            return entry.obs[lid]
+        captured = self._try_capture(attend_pass)
+        if captured is None:
+            self._give_up(entry)
+        else:
+            entry.graphs[lid] = captured
+            self._count_capture(lid)
+        return entry.obs[lid]
+
+    def _group(self, backend, group, gentry: Optional[_GroupEntry], layer, obs) -> None:
+        lid = layer.layer_id
+        if gentry is None or gentry.eager:
+            backend.decode_group(group, layer, obs)  # eagerly, on the live group
+            return
+        if gentry.group.failed:
+            return
+        self.watch_table(backend.pages.table)
+        if (gentry.generation != self.observations.generation or gentry.table is not backend.pages.table
+                or gentry.table_version != self.table_version):
+            gentry.graphs.clear()  # they read observation buffers or a page table that have grown since
+            gentry.generation, gentry.table = self.observations.generation, backend.pages.table
+            gentry.table_version = self.table_version
+        graph = gentry.graphs.get(lid)
+        if graph is not None:
+            graph.replay()
+            self.group_replays += 1
+            return
+
+        def group_pass():
+            backend.decode_group(gentry.group, layer, obs)
+
+        faults_before = faults.count
+        group_pass()
+        if faults.count != faults_before:  # a pass in which the group failed is not one to replay
+            return
+        captured = self._try_capture(group_pass)
+        if captured is None:
+            gentry.eager = True
+            gentry.graphs.clear()
+        else:
+            gentry.graphs[lid] = captured
+            self.group_captures += 1
+
+    def _count_capture(self, layer_id: int) -> None:
+        self.captures += 1
+        if layer_id == 0:
+            metrics.record_graph_capture("region")
+
+    def _count_replay(self, layer_id: int) -> None:
+        self.replays += 1
+        if layer_id == 0:
+            metrics.record_graph_replay("region")
+
+    def _try_capture(self, static_pass):
         """capture(), or None when it fails (out of memory, a fault of policy
         code while recording): the step already ran eagerly, so the server
         goes on; those shapes run eagerly from now on."""
@@ -270,13 +511,14 @@ class RegionGraphs:
             return None
 
     def _give_up(self, entry) -> None:
-        """Drop an entry whose capture failed and keep its shapes eager."""
+        """Drop an attention entry whose capture failed and keep its shapes
+        eager (this step's later layers run its segment eagerly)."""
+        entry.failed = True
+        entry.graphs.clear()
         for key, cached in list(self.cache.items()):
             if cached is entry:
                 del self.cache[key]
                 self.eager_keys.add(key)
-        if self.current is entry:
-            self.current = None
 
     def capture(self, static_pass):
         """Record static_pass (it does not execute) as a CUDA graph whose

@@ -63,6 +63,10 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+#: A decode step's padded row count is a multiple of this (StepBuilder.pad).
+ROWS_STEP = 16
+
+
 def prefix_bucket(tokens: int) -> int:
     """Width of the prefix-slot table when rows are padded: the longest
     prefix rounded up to 128 (the decode kernel reads whole blocks of it, so
@@ -151,6 +155,11 @@ class PolicyGroup:
     #: Set when its policy code failed in this step (faults.py): later
     #: layers skip it.
     failed: bool = False
+    #: Page-table columns of the step (decode): the group's pass reads its
+    #: rows' slots through the page table's rows `pool_rows` up to this
+    #: width, never through the step's table, so its captured graph does not
+    #: depend on the step's other rows (region_graphs.py).
+    width: int = 0
 
     def splittable(self) -> bool:
         """Whether every parameter and input is laid out per row (subset can
@@ -166,7 +175,7 @@ class PolicyGroup:
             params={k: v[index] for k, v in self.params.items()}, maxima=self.maxima,
             inputs={k: v[index] for k, v in self.inputs.items()}, pool_rows=self.pool_rows[index],
             max_rows=self.max_rows, members=[self.members[i] for i in positions], action=action,
-            requests=[self.requests[i] for i in positions])
+            requests=[self.requests[i] for i in positions], width=self.width)
 
     def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
         per_layer = self.inputs.get("budget")
@@ -391,24 +400,37 @@ class StepBuilder:
                                   for g in groups), real=len(requests))
 
     def pad(self, rows: RegionRows) -> None:
-        """Pad every policy group of a decode step to row_bucket rows, so
-        that requests joining and ending keep the step's shapes (and its
-        captured graphs). Padded rows come after the real ones, copy their
-        group's first row's budget, step, parameters and inputs, and read
-        page-table row PAD_POOL_ROW: no prefix, no valid slot; the store
-        writes nothing valid there (backend: the null page), a decision finds
-        nothing to evict, and their outputs are never copied out. Only for
-        steps whose groups may all be captured (region_graphs.capturable)."""
-        for g in rows.groups:
-            if not region_graphs.capturable(g):
-                return
-            if not g.splittable():
-                return  # an input not laid out per row: nothing to pad it with
+        """Pad the policy groups of a decode step to row_bucket rows, so that
+        requests joining and ending keep the step's shapes (and its captured
+        graphs). Padded rows come after the real ones, copy their group's
+        first row's budget, step, parameters and inputs, and read page-table
+        row PAD_POOL_ROW: no prefix, no valid slot; the store writes nothing
+        valid there (backend: the null page), a decision finds nothing to
+        evict, and their outputs are never copied out. Only groups that may
+        be captured (region_graphs.capturable) and whose inputs are laid out
+        per row are padded.
+
+        A policy whose rows split into deciding and observing groups is
+        padded to row_bucket of all its rows together (its last group takes
+        what the others leave), so the step's row count, which keys the
+        attention's graphs, does not change with how many rows decide."""
         dev = self.device
+        padded = [g for g in rows.groups if region_graphs.capturable(g) and g.splittable()]
+        by_class: dict[type, list] = {}
+        for group in padded:
+            by_class.setdefault(type(group.policy), []).append(group)
+        pads_of: dict[int, int] = {}
+        for groups in by_class.values():
+            *first, last = groups
+            for group in first:  # each to its own bucket
+                pads_of[id(group)] = row_bucket(len(group.members)) - len(group.members)
+            # The last fills the class up to the bucket of all its rows.
+            room = row_bucket(sum(len(g.members) for g in groups)) - sum(row_bucket(len(g.members)) for g in first)
+            n = len(last.members)
+            pads_of[id(last)] = room - n if room >= n else row_bucket(n) - n
         extra = 0
-        for group in rows.groups:
-            n = len(group.members)
-            pads = row_bucket(n) - n
+        for group in padded:
+            n, pads = len(group.members), pads_of[id(group)]
             if not pads:
                 continue
             index = torch.cat([torch.arange(n, device=dev), torch.zeros(pads, dtype=torch.int64, device=dev)])
@@ -422,6 +444,10 @@ class StepBuilder:
             group.members = group.members + new_rows
             group.requests = group.requests + [None] * pads
             extra += pads
+        # Rows of no group up to a multiple of ROWS_STEP: a group that is
+        # not padded (one that runs eagerly) then does not change the row
+        # count that keys the attention's graphs.
+        extra += -(rows.real + extra) % ROWS_STEP
         if not extra:
             return
         metrics.record_padded_rows(extra)
@@ -506,6 +532,8 @@ class StepBuilder:
             self._flushes(rows, requests, steps)
             if self.pad_rows:
                 self.pad(rows)
+            for group in rows.groups:
+                group.width = rows.tables.shape[3]
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
 
     def _flushes(self, rows: RegionRows, requests: list, steps: list[int]) -> None:

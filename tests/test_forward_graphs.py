@@ -51,6 +51,13 @@ class Decoder(torch.nn.Module):
         return input_ids.float() + positions.float()
 
 
+def capture_all(region) -> None:
+    """Mark every segment of the region graphs' current step as captured in every layer."""
+    region.current.graphs = {layer: object() for layer in range(L)}
+    for _, entry in region.step_groups:
+        entry.graphs = {layer: object() for layer in range(L)}
+
+
 def _two_rows(runtime):
     for rid, row in (("a", 3), ("b", 5)):
         admit(rid, {"name": "h2o", "budget": 8}, prompt_len=5, row=row).prefix_len = 5
@@ -66,14 +73,14 @@ def test_a_step_replays_whole_only_when_every_row_is_compressed_and_captured(run
 
     region = RegionGraphs(rerun=True)
     graphs = ForwardGraphs(Decoder(), region, num_layers=L)
-    for seq in (8, 9):  # shapes seen twice: the region entry exists
+    for seq in (8, 9, 10):  # shapes seen twice: the entries exist (9); the composition seen before (10)
         step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
         region.begin_step(step, needs_keys=False)
         graphs.begin_step(step, batch_size=2)
     assert region.current is not None and graphs.active is None  # its layers are not all captured yet
-    region.current.graphs = {layer: object() for layer in range(L)}
+    capture_all(region)
     graphs.begin_step(step, batch_size=2)
-    assert graphs.active is region.current
+    assert graphs.active == region.composition
     table = steering.TABLE
     steering.TABLE = SimpleNamespace(live={3: 1})  # a steered request: its hooks read host state
     try:
@@ -97,8 +104,8 @@ def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
         assert step_is_whole(step, batch_size=2)
         steps.append(step)
         region.begin_step(step, needs_keys=False)
-        if region.current is not None and seq >= 10:  # step 9 made the entry and captured its layers
-            region.current.graphs = {layer: object() for layer in range(L)}
+        if region.current is not None and seq >= 10:  # step 9 made the entries and captured their layers
+            capture_all(region)
         graphs.begin_step(step, batch_size=2)
         fb = SimpleNamespace(seq=seq)
         fb_seen.append(fb)
@@ -155,10 +162,10 @@ def test_a_stack_that_cannot_be_recorded_runs_eagerly_from_then_on(runtime):
     region = Unrecordable(rerun=True)
     decoder = Decoder()
     graphs = ForwardGraphs(decoder, region, num_layers=L)
-    for seq in (8, 9):
+    for seq in (8, 9, 10):
         step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
         region.begin_step(step, needs_keys=False)
-    region.current.graphs = {layer: object() for layer in range(L)}
+    capture_all(region)
     graphs.begin_step(step, batch_size=2)
     assert decoder(torch.tensor([1, 2]), torch.tensor([10, 20]), "fb").tolist() == [11.0, 22.0]
     assert decoder.forward == graphs.original and graphs.captures == 0 and decoder.calls == ["fb"]

@@ -70,7 +70,8 @@ def run_staggered(policy: str) -> dict:
             outputs.append(run.run_batch(batch, *random_qkv(len(PHASES), TINY, gen, "cpu", torch.float32)))
             sizes.append(tuple((g.action, len(g.members)) for g in run.last_step.region.groups))
         return {"outputs": torch.stack(outputs), "state": run.region_state(), "held": run.held_tokens_per_head(),
-                "sizes": sizes, "replays": graphs.replays, "captures": graphs.captures}
+                "sizes": sizes, "replays": graphs.replays, "captures": graphs.captures,
+                "group_replays": graphs.group_replays}
     finally:
         run.close()
 
@@ -78,7 +79,7 @@ def run_staggered(policy: str) -> dict:
 @pytest.mark.parametrize("policy", PADDED)
 def test_padded_decisions_change_nothing_but_the_shapes(policy, monkeypatch):
     assert get_policy(policy).pads_decisions
-    monkeypatch.setattr(region_graphs, "MAX_SHAPES", 4)  # fewer than the six deciding sizes unpadded
+    monkeypatch.setattr(region_graphs, "MAX_GROUP_SHAPES", 4)  # fewer than the group shapes unpadded
     padded = run_staggered(policy)
     monkeypatch.setattr(get_policy(policy), "pads_decisions", False)
     exact = run_staggered(policy)
@@ -93,11 +94,14 @@ def test_padded_decisions_change_nothing_but_the_shapes(policy, monkeypatch):
     decide = {dict(s).get("decide", 0) for s in exact["sizes"]}
     assert {1, 2, 3, 4, 5, 6} <= decide
     assert {dict(s).get("decide", 0) for s in padded["sizes"]} <= {0, MIN_DECISION_BUCKET}
-    # Unpadded, six shapes take turns, more than the cache keeps here: most
-    # steps run eagerly. Padded, all but the first steps replay (an eager
-    # step and a capture step per shape).
-    assert exact["replays"] <= STEPS * TINY.layers // 4
-    assert padded["replays"] >= (STEPS - 4) * TINY.layers
+    # Unpadded, the groups' shapes (six deciding sizes, six observing) take
+    # turns, more than the cache keeps here: most group segments run
+    # eagerly. Padded, all but the first steps replay them (an eager step
+    # and a capture step per shape). The attention segment's shapes (every
+    # row) do not change here: it replays either way.
+    assert exact["group_replays"] <= STEPS * TINY.layers // 2
+    assert padded["group_replays"] >= (STEPS - 6) * TINY.layers * 2
+    assert min(exact["replays"], padded["replays"]) >= (STEPS - 2) * TINY.layers
 
 
 # ----- row buckets ------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsieve.policies import get_policy
-from kvsieve.radix_ext.region_graphs import RegionGraphs, signature, step_tensors
+from kvsieve.radix_ext.region_graphs import RegionGraphs, group_signature, signature, step_tensors
 
 from test_step_meta import admit, decode_batch, runtime  # noqa: F401  (fixture)
 
@@ -45,16 +45,28 @@ def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
     assert entry.step.region.pool_rows.tolist() == [5, 3]
 
 
-def test_new_shapes_make_a_new_entry_and_unsafe_policies_run_eagerly(builder, monkeypatch):
+def test_new_shapes_make_a_new_entry_and_an_unsafe_policy_runs_eagerly_between_segments(builder, monkeypatch):
     admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
     admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
     graphs = RegionGraphs()
     for fb in (decode_batch(["a"], [3], [6]), decode_batch(["a"], [3], [7]),
                decode_batch(["a", "b"], [3, 5], [8, 6]), decode_batch(["a", "b"], [3, 5], [9, 7])):
         graphs.begin_step(builder.build(fb), needs_keys=False)
-    assert len(graphs.cache) == 2  # one row, then two policy groups
+    assert len(graphs.cache) == 2  # one row, then two
+    # Groups are looked at in steps whose attention entry exists: h2o's
+    # (one row) in the 2nd and 4th (an entry), streaming's in the 4th only.
+    assert len(graphs.groups) == 1
     monkeypatch.setattr(get_policy("streaming"), "graph_safe", False)
     step = builder.build(decode_batch(["a", "b"], [3, 5], [8, 7]))
+    # The attention segment and h2o's group replay; streaming's group runs eagerly between them.
+    assert signature(step, False) is not None
+    assert [group_signature(g) is None for g in step.region.groups] == [False, True]
+    graphs.begin_step(step, needs_keys=False)
+    assert graphs.current is not None
+    assert [entry is None for _, entry in graphs.step_groups] == [False, True]
+    assert graphs.static_step() is None  # so the decoder stack is not replayed whole
+    # A step with rows being aborted runs eagerly as a whole.
+    step.zero_batch_index = torch.tensor([0])
     assert signature(step, False) is None
     graphs.begin_step(step, needs_keys=False)
     assert graphs.current is None

@@ -95,7 +95,7 @@ class RegionPass:
         for layer_id in range(self.shapes.layers):
             self.layer.layer_id = layer_id
             o3 = torch.empty_like(q3)
-            if backend.graphs is None or not backend.graphs.run(backend._decode_region, self.layer, q3, k3, v3, o3):
+            if backend.graphs is None or not backend.graphs.run(backend, self.layer, q3, k3, v3, o3):
                 backend._decode_region(q3, k3, v3, o3, self.layer, step)
             outputs.append(o3)
         if self.token_ids:  # one id per row after the step: its position mod 50
@@ -237,6 +237,7 @@ def joining_steps(policy: str, starts: list[int], ends: list[int], steps: int, *
         assert not valid[null].any()  # padded rows never store a valid slot in the null page
         keep = torch.arange(valid.shape[0], device=valid.device) != null
         return {"outputs": outputs, "state": (valid[keep], position[keep], score[keep], counters[1:]),
-                "padded": padded, "replays": graphs.replays if graphs is not None else 0}
+                "padded": padded,
+                "replays": graphs.replays + graphs.group_replays if graphs is not None else 0}  # every segment
     finally:
         run.close()
