@@ -100,3 +100,23 @@ def test_crystalcache_replays_the_steps_between_its_breath_cycles_equal_to_the_e
 def test_skipkv_on_captured_static_tensors_equals_the_eager_pass_with_redundant_sentences(monkeypatch):
     monkeypatch.setattr(get_policy("skipkv"), "step_inputs", redundant_sentences(PROMPT))
     _assert_static_entries_equal_the_eager_pass("skipkv")
+
+
+def test_a_mixed_batch_replays_its_segments_equal_to_the_eager_pass():
+    # Every graph-safe policy in one batch, two rows each: the groups that
+    # decide change from step to step (rkv, skipkv and crystal_kv every 16
+    # steps, the others every step), yet the attention segment and each
+    # group's segment replay, and every output and the region's state equal
+    # the eager pass bit for bit.
+    mixed = "+".join(GRAPH_SAFE)
+    args = dict(rows=2 * len(GRAPH_SAFE), prompt=PROMPT, steps=STEPS, shapes=TINY, budget=BUDGET, device="cpu",
+                dtype=torch.float32)
+    eager = run_steps(mixed, **args)
+    graphs = RerunGraphs()
+    graphed = run_steps(mixed, **args, graphs=graphs)
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+    assert graphs.replays > TINY.layers * STEPS * 3 // 4
+    assert graphs.group_replays > TINY.layers * STEPS * len(GRAPH_SAFE) // 2
+    assert len(graphs.cache) <= 2 and len(graphs.groups) >= len(GRAPH_SAFE)

@@ -64,8 +64,10 @@ def test_out_of_memory_while_capturing_leaves_the_shapes_eager():
     reference = run_steps("h2o", **ARGS)
     graphs = RegionGraphs()
     got = run_steps(OutOfMemoryOverRows.name, **ARGS, graphs=graphs)
-    assert graphs.eager_keys, "the failed capture was not recorded"
-    assert graphs.replays == 0
+    # The group's segment could not be captured: it runs eagerly from then
+    # on, between replays of the attention segment.
+    assert any(g.eager for g in graphs.groups.values()), "the failed capture was not recorded"
+    assert graphs.group_replays == 0 and graphs.replays > 0
     assert torch.equal(reference["outputs"], got["outputs"])
     for a, b in zip(reference["state"], got["state"]):
         assert torch.equal(a, b)

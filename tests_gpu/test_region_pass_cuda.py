@@ -45,6 +45,20 @@ def test_graph_replay_equals_the_eager_pass(policy):
     _assert_replay_equals_eager(policy)
 
 
+def test_a_mixed_batch_replays_its_segments_equal_to_the_eager_pass():
+    # Every graph-safe policy in one batch (rows dealt in turn): the set of
+    # deciding groups changes from step to step; each segment replays.
+    args = dict(rows=ROWS, prompt=PROMPT, steps=STEPS, shapes=QWEN_7B, budget=BUDGET, device="cuda")
+    mixed = "+".join(GRAPH_SAFE)
+    eager = run_steps(mixed, **args)
+    graphs = RegionGraphs()
+    graphed = run_steps(mixed, **args, graphs=graphs)
+    assert graphs.replays > QWEN_7B.layers * STEPS // 2 and graphs.group_replays > QWEN_7B.layers * STEPS
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+
+
 def test_skipkv_graph_replay_equals_the_eager_pass_with_redundant_sentences(monkeypatch):
     monkeypatch.setattr(get_policy("skipkv"), "step_inputs", redundant_sentences(PROMPT))
     _assert_replay_equals_eager("skipkv")

@@ -120,7 +120,8 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
                 device: str = "cuda", dtype=torch.bfloat16, graphs=None, params: dict | None = None,
                 token_ids: bool = False) -> RegionPass:
     """The kvsieve backend outside SGLang (RUNTIME set up afresh: call
-    close() after). Seed torch first where two runs must see the same pool."""
+    close() after). Seed torch first where two runs must see the same pool.
+    `policy` "a+b+c": a mixed batch, the rows dealt to the policies in turn."""
     L, H = shapes.layers, shapes.kv_heads
     RUNTIME.requests.clear()
     RUNTIME.region = PageManager(RegionConfig(num_layers=L, num_kv_heads=H, head_dim=shapes.head_dim,
@@ -138,7 +139,8 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
                             graphs=graphs)
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):
-        RUNTIME.admit(rid, {"kv_policy": {"name": policy, "budget": budget, "compress_prompt": False,
+        name = policy.split("+")[i % len(policy.split("+"))]
+        RUNTIME.admit(rid, {"kv_policy": {"name": name, "budget": budget, "compress_prompt": False,
                                           "params": params or {}}},
                       prompt_len=prompt, sgl_req=SimpleNamespace(req_pool_idx=i + 1, to_finish=None))
         req = RUNTIME.requests[rid]
