@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -72,9 +72,15 @@ MAX_GROUP_SHAPES = int(os.environ.get("KVSIEVE_REGION_GROUP_SHAPES", "64"))
 #: Whole compositions (attention + groups) whose decoder stack is kept captured.
 MAX_COMPOSITIONS = 8
 #: Keys seen lately (a key is captured when it comes back): steps for the
-#: attention segment and compositions, groups for group segments.
+#: attention segment, groups for group segments.
 RECENT_KEYS = 16
 RECENT_GROUP_KEYS = 256
+#: A composition's decoder stack is captured once it made COMPOSITION_REPEATS
+#: of the last COMPOSITION_WINDOW steps: in a mixed batch most compositions
+#: come and go (a capture of the stack costs about as much as tens of
+#: steps' launches), the ones that recur pay it back.
+COMPOSITION_WINDOW = 64
+COMPOSITION_REPEATS = 3
 
 
 def mode() -> str:
@@ -240,9 +246,11 @@ class RegionGraphs:
         #: This step's groups, each with its segment's entry (None: eager on the live group).
         self.step_groups: list = []
         #: This step's composition: (attention key, group keys), or None;
-        #: whether it was seen lately before this step.
+        #: whether it recurs enough to capture its decoder stack.
         self.composition: Optional[tuple] = None
         self.composition_seen = False
+        self.compositions: "deque[tuple]" = deque()  # of the last COMPOSITION_WINDOW steps
+        self.composition_counts: Counter = Counter()
         self.batch_index: Optional[torch.Tensor] = None
         self.real = 0
         self.table = None  # the region's page table as last seen (watch_table)
@@ -310,7 +318,14 @@ class RegionGraphs:
             group_keys.append(gkey)
             self.step_groups.append((group, self._group_entry(group, gkey)))
         self.composition = (key, tuple(group_keys))
-        self.composition_seen = self._seen(self.recent, self.composition, RECENT_KEYS)
+        self.compositions.append(self.composition)
+        self.composition_counts[self.composition] += 1
+        if len(self.compositions) > COMPOSITION_WINDOW:
+            old = self.compositions.popleft()
+            self.composition_counts[old] -= 1
+            if not self.composition_counts[old]:
+                del self.composition_counts[old]
+        self.composition_seen = self.composition_counts[self.composition] >= COMPOSITION_REPEATS
 
     def _group_entry(self, group, gkey) -> Optional[_GroupEntry]:
         if gkey is None:

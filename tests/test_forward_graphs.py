@@ -73,7 +73,9 @@ def test_a_step_replays_whole_only_when_every_row_is_compressed_and_captured(run
 
     region = RegionGraphs(rerun=True)
     graphs = ForwardGraphs(Decoder(), region, num_layers=L)
-    for seq in (8, 9, 10):  # shapes seen twice: the entries exist (9); the composition seen before (10)
+    # Shapes seen twice: the entries exist (9); the composition made
+    # COMPOSITION_REPEATS (3) of the last steps with an entry (9, 10, 11).
+    for seq in (8, 9, 10, 11):
         step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
         region.begin_step(step, needs_keys=False)
         graphs.begin_step(step, batch_size=2)
@@ -97,9 +99,9 @@ def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
     after = []  # the steps handed to after_stack (the backend's TBQ flush of every layer)
     graphs = ForwardGraphs(decoder, region, num_layers=L, after_stack=after.append)
     fb_seen, steps = [], []
-    for seq in (8, 9, 10, 11):
+    for seq in (8, 9, 10, 11, 12):
         step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
-        if seq == 11:  # a TBQ group flush in this step: it replays whole all the same
+        if seq == 12:  # a TBQ group flush in this step: it replays whole all the same
             step.region.flush_rows, step.region.flush_format = torch.tensor([1]), torch.tensor([2])
         assert step_is_whole(step, batch_size=2)
         steps.append(step)
@@ -112,10 +114,11 @@ def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
         ids, pos = torch.tensor([seq, 2 * seq]), torch.tensor([100, 200])
         hidden = decoder(ids, pos, fb)
         assert hidden.tolist() == [seq + 100.0, 2 * seq + 200.0]
-    assert graphs.captures == 1 and graphs.replays == 2  # steps 10 and 11 (9 made the entry)
-    assert after == steps[2:]  # after each replayed stack, with its own step (not the entry's static one)
+    # Steps 11 and 12 (9 made the entries; 9, 10 and 11 made the composition recur).
+    assert graphs.captures == 1 and graphs.replays == 2
+    assert after == steps[3:]  # after each replayed stack, with its own step (not the entry's static one)
     # Replays ran the recorded pass with the capture-time batch, on static inputs.
-    assert decoder.calls[-1] is fb_seen[2] and decoder.calls[-2] is fb_seen[2]
+    assert decoder.calls[-1] is fb_seen[3] and decoder.calls[-2] is fb_seen[3]
     # A forward call that does not follow begin_step (SGLang's own graphs at start-up) passes through.
     assert decoder(torch.tensor([1]), torch.tensor([2]), "other").tolist() == [3.0]
     assert decoder.calls[-1] == "other"
@@ -162,7 +165,7 @@ def test_a_stack_that_cannot_be_recorded_runs_eagerly_from_then_on(runtime):
     region = Unrecordable(rerun=True)
     decoder = Decoder()
     graphs = ForwardGraphs(decoder, region, num_layers=L)
-    for seq in (8, 9, 10):
+    for seq in (8, 9, 10, 11):
         step = runtime.build(decode_batch(["a", "b"], [3, 5], [seq, seq]))
         region.begin_step(step, needs_keys=False)
     capture_all(region)
