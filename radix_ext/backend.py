@@ -406,8 +406,10 @@ class KvsieveAttnBackend(AttentionBackend):
         wants_keys = deciding and bool(policy.needs & Need.KEYS or (layer.layer_id == 0
                                                                    and policy.needs & Need.LAYER0_KEYS))
         # Slot state (score, last_hit) only for a policy that keeps it, and
-        # not past the first layer for one that observes the first only.
-        stateful = policy.keeps_slot_state and not (layer.layer_id and policy.observes_first_layer_only)
+        # in decode not past the first layer for one that observes the first
+        # only (the same in any batch: a group's view never depends on what
+        # the step's other groups keep).
+        stateful = policy.keeps_slot_state and (prefill or not (layer.layer_id and policy.observes_first_layer_only))
         with span("kvsieve.view"):
             view = self._view(table, keys=wants_keys, state=stateful)
         batch = group.batch(layer.layer_id, table.shape[1])
