@@ -358,12 +358,20 @@ class KvsieveAttnBackend(AttentionBackend):
         observation) over its rows' slots, written back to the region. Reads
         nothing of other groups, so a captured graph of it replays in any
         batch composition (region_graphs.py)."""
-        deciding = group.action == "decide"
-        if group.failed or (not deciding and layer.layer_id and group.policy.observes_first_layer_only):
+        if self.group_idle(group, layer):
             return
+        deciding = group.action == "decide"
         table = self.pages.table[group.pool_rows, layer.layer_id, :, :group.width]  # [Rg, H, M]
         self._group_pass(group, layer, table, observed_rows(group.policy, obs, group.rows),
                          prefill=False, stage="decide" if deciding else "observe")
+
+    @staticmethod
+    def group_idle(group, layer) -> bool:
+        """Whether a decode group does nothing in this layer: it failed in
+        this step, or it only observes and its policy observes the first
+        layer only."""
+        return group.failed or (group.action != "decide" and layer.layer_id > 0
+                                and group.policy.observes_first_layer_only)
 
     def _group_pass(self, group, layer, table, obs, prefill, stage) -> None:
         """Run one group's decision over the slots of its page-table rows

@@ -128,8 +128,14 @@ class ForwardGraphs:
         self.cache: "OrderedDict[tuple, ForwardCapture]" = OrderedDict()
         #: Compositions whose capture ran out of memory: per-layer replays only.
         self.no_forward: set = set()
+        self.region.on_reset.append(self._drop_all)
         self.captures = 0
         self.replays = 0
+
+    def _drop_all(self) -> None:
+        """The region graphs start a new pool (RegionGraphs.reset): ours go too."""
+        self.cache.clear()
+        self.no_forward.clear()
 
     def begin_step(self, step, batch_size: int) -> None:
         """After the region graphs' begin_step, before the forward."""

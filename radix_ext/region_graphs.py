@@ -254,6 +254,10 @@ class RegionGraphs:
         self.batch_index: Optional[torch.Tensor] = None
         self.real = 0
         self.table = None  # the region's page table as last seen (watch_table)
+        self.width = None  # page-table columns of the captured graphs (reset)
+        self.resets = 0
+        #: Called on reset(): holders of graphs in this pool (forward_graphs.py) drop theirs.
+        self.on_reset: list = []
         self.table_version = 0
         #: Keys seen lately: a key is captured the second time it shows up among them.
         self.recent: "OrderedDict[tuple, None]" = OrderedDict()
@@ -290,6 +294,10 @@ class RegionGraphs:
         key = signature(step, needs_keys)
         if key is None or key in self.eager_keys:
             return
+        width = step.region.tables.shape[3]
+        if width != self.width:
+            self.reset()
+            self.width = width
         seen_before = self._seen(self.recent, key, RECENT_KEYS)
         entry = self.cache.get(key)
         if entry is None:
@@ -405,6 +413,30 @@ class RegionGraphs:
                    and g.generation == self.observations.generation and g.table_version == self.table_version
                    for _, g in self.step_groups)
 
+    def reset(self) -> None:
+        """Drop every captured graph and start a new memory pool. Called when
+        the page table's width changes (requests growing towards their
+        budgets, the widest request ending): graphs of the old width are not
+        replayed again, and every tensor of a new capture is larger than the
+        last, so a pool kept across widths holds a segment per width it saw
+        (an H100 ran out of memory with 15 GB in graph pools after ten
+        ramps). Capture costs one step per shape, once per width."""
+        if not (self.cache or self.groups):
+            return
+        self.cache.clear()
+        self.groups.clear()
+        self.recent.clear()
+        self.recent_groups.clear()
+        self.compositions.clear()
+        self.composition_counts.clear()
+        self.eager_keys.clear()
+        for drop in self.on_reset:
+            drop()
+        self.pool = None
+        self.resets += 1
+        if torch.cuda.is_available() and not self.rerun:
+            torch.cuda.empty_cache()  # the old pool's memory, now that no graph holds it
+
     def watch_table(self, table) -> None:
         """The region's page table grows by reallocation (pages.py): graphs
         that read the old one (group segments, whole decoder stacks) must be
@@ -471,8 +503,8 @@ class RegionGraphs:
         if gentry is None or gentry.eager:
             backend.decode_group(group, layer, obs)  # eagerly, on the live group
             return
-        if gentry.group.failed:
-            return
+        if backend.group_idle(gentry.group, layer):
+            return  # nothing to run (or capture: an empty graph)
         self.watch_table(backend.pages.table)
         if (gentry.generation != self.observations.generation or gentry.table is not backend.pages.table
                 or gentry.table_version != self.table_version):

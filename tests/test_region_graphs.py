@@ -71,3 +71,21 @@ def test_new_shapes_make_a_new_entry_and_an_unsafe_policy_runs_eagerly_between_s
     graphs.begin_step(step, needs_keys=False)
     assert graphs.current is None
     assert graphs.run(None, SimpleNamespace(layer_id=0), None, None, None, None) is False
+
+
+def test_a_new_page_table_width_drops_every_graph_and_its_pool(builder):
+    # Graphs of the old width are not replayed again, and a pool kept across
+    # widths holds a segment per width: a new width starts afresh.
+    admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
+    graphs = RegionGraphs()
+    dropped = []
+    graphs.on_reset.append(lambda: dropped.append(True))
+    for seq in (6, 7, 8):
+        graphs.begin_step(builder.build(decode_batch(["a"], [3], [seq])), needs_keys=False)
+    assert graphs.cache and graphs.groups and graphs.resets == 0
+    graphs.pool = "the old pool"
+    wide = builder.build(decode_batch(["a"], [3], [9]))
+    wide.region.tables = torch.cat([wide.region.tables, wide.region.tables], dim=3)  # one more page column
+    graphs.begin_step(wide, needs_keys=False)
+    assert not graphs.cache and not graphs.groups and graphs.current is None
+    assert graphs.resets == 1 and dropped == [True] and graphs.pool is None
