@@ -4,7 +4,7 @@
         [--policies streaming,longflow,h2o,rkv,thinkv,crystal_kv,skipkv,crystalcache]
         [--kv-tokens 786432] [--max-running 512] [--tail 192]
         [--parts machine,vanilla,kvsieve] [--check-prompt 2048] [--policy-params '{"crystal_kv": {...}}']
-        [--temperatures 0,0.7] [--tbq 1] [--tp 2]
+        [--temperatures 0,0.7] [--tbq 1] [--tp 2] [--mixed streaming,rkv,skipkv]
 
 R1-Distill-Qwen-7B architecture, dummy weights, both engines given the same
 KV memory (--kv-tokens tokens of bf16 K and V). Generating G tokens is
@@ -50,6 +50,26 @@ at the same total KV memory: the token pool holds the same tokens (each
 rank its share of the heads) and the region's pages are split over the
 ranks (KVSIEVE_REGION_PAGES is per rank). The roofline stays one GPU's.
 
+`--mixed a,b,c` (issue #29: a mixed batch of policies as fast as its
+members) adds, at each budget and temperature after the --policies runs, ONE
+batch of the same row count with those policies dealt round robin (request
+i runs policy i mod P, each with its own --policy-params), measured by the
+same two methods (steady window from the moment every request holds the
+budget, and the whole run) and recorded in `kvsieve` with policy
+`mixed:a+b+c`, `members`, `member_rows`, `member_budgets` and `options`
+(how the rows were dealt). A member that refuses the budget runs at the
+smallest larger one it accepts (bench/gpu_smoke.py's policy_specs;
+crystalcache needs at least 132), and the batch's window then opens at the
+largest member budget, every request generating that + 2 * --tail; its row
+count is the one that fits at that budget. With `--policies` naming the
+members, the JSON holds the mixed entry beside its members' solo entries of
+the same call, e.g. one call on an H100 (estimated 6-8 minutes with the
+device set-up: the `full` check and four batches of 320 rows x 1,280
+tokens; not yet run on a GPU; the wheel and `.whl` carried as for
+bench/gpu_smoke.py):
+
+    bash .whl/device-setup.sh && python3 -m pip install -q --no-deps --target /tmp/site2 .gpu/*.whl && PYTHONPATH=/tmp/site2:/tmp/site python3 bench/gpu_headline.py bench/models/r1-distill-qwen-7b $OUT --parts kvsieve --policies streaming,rkv,skipkv --mixed streaming,rkv,skipkv --budgets 1024 --max-running 320 --tail 128
+
 With the defaults, one command runs the whole benchmark (about 25 minutes
 on an H100). Under the device tool's 10-minute calls, run it in parts
 (`--parts`, `--policies`, `--budgets`) into the same OUT_DIR: each part adds
@@ -91,6 +111,7 @@ def options() -> dict:
             "policy_params": json.loads(opts.get("--policy-params", "{}")),
             # kvsieve points at each temperature (0: greedy; SGLang's sampler then skips its vocabulary sort)
             "temperatures": [float(t) for t in opts.get("--temperatures", "0").split(",")],
+            "mixed": [p for p in opts.get("--mixed", "").split(",") if p],
             "tbq": opts.get("--tbq", "0") == "1", "tp": int(opts.get("--tp", 1)), "check_prompt": int(opts.get("--check-prompt", 2048)), "parts": opts.get("--parts", "machine,vanilla,kvsieve").split(",")}
 
 
@@ -202,15 +223,19 @@ def window(records, threshold: int) -> dict:
 
 
 def timed_run(engine, ids, params, threshold: int) -> dict:
+    """params: one sampling-params dict for every request, or a list of one
+    per request (a mixed batch)."""
+    per_request = params if isinstance(params, list) else [params] * len(ids)
     records: list = []
     started = time.perf_counter()
-    engine.loop.run_until_complete(asyncio.gather(*(stream_one(engine, i, params, records) for i in ids)))
+    engine.loop.run_until_complete(asyncio.gather(*(stream_one(engine, i, p, records)
+                                                    for i, p in zip(ids, per_request))))
     result = window(records, threshold)
     seconds = time.perf_counter() - started
     # The second method: every request generated to its end, wall clock
     # (prompts, the ramp to the budget and the window together).
     result.update(requests=len(ids), seconds=round(seconds, 1),
-                  whole_run_tokens_per_s=round(len(ids) * params["max_new_tokens"] / seconds, 1))
+                  whole_run_tokens_per_s=round(sum(p["max_new_tokens"] for p in per_request) / seconds, 1))
     usage = [r["meta"].get("kvsieve_kv_usage") for r in records]
     usage = [u[-1] if isinstance(u, list) else u for u in usage]
     usage = [u for u in usage if u]
@@ -229,6 +254,29 @@ def params(tokens: int, policy=None, temperature: float = 0.0) -> dict:
     if policy is not None:
         p["custom_params"] = {"kv_policy": policy}
     return p
+
+
+def mixed_run(engine, cfg: dict, specs: dict, budget: int, top: int, n: int, temperature: float) -> dict:
+    """One batch of n requests, cfg["mixed"]'s policies dealt round robin
+    (each with its --policy-params and the budget policy_specs gave it),
+    timed as a solo policy is; the window opens at the largest member budget."""
+    names = cfg["mixed"]
+    policies = {}
+    for name in names:
+        policies[name] = dict(specs[name]["kv_policy"])
+        if cfg["policy_params"].get(name):
+            policies[name]["params"] = cfg["policy_params"][name]
+    rows = [names[i % len(names)] for i in range(max(n, len(names)))]
+    per_request = [params(top + 2 * cfg["tail"], policies[name], temperature) for name in rows]
+    entry = timed_run(engine, prompts(len(rows), SHORT_PROMPT, 7), per_request, top)
+    entry.update(policy="mixed:" + "+".join(names), budget=budget, members=names,
+                 member_rows={m: rows.count(m) for m in names},
+                 member_budgets={m: specs[m]["budget"] for m in names},
+                 params={m: policies[m]["params"] for m in names if "params" in policies[m]},
+                 temperature=temperature, tbq_region=cfg["tbq"], rows=len(rows),
+                 options={"dealt": "round robin: request i runs members[i % len(members)]",
+                          "window_threshold_tokens": top, "generated_tokens": top + 2 * cfg["tail"]})
+    return entry
 
 
 def main() -> None:
@@ -260,8 +308,19 @@ def main() -> None:
     pool_tokens = int(cfg["kv_tokens"] * POOL_SHARE)
     vanilla_n = {g: min(cfg["max_running"], cfg["kv_tokens"] // (g + SHORT_PROMPT)) for g in cfg["generate"]}
     region_tokens = cfg["kv_tokens"] - pool_tokens
+    mixed_specs = {}
+    if cfg["mixed"]:
+        # Per budget, each member's kv_policy with the budget it accepts (crystalcache: >= 132).
+        from gpu_smoke import policy_specs
+
+        mixed_specs = {b: policy_specs(cfg["mixed"], b) for b in cfg["budgets"]}
+        bad = {n: s["invalid"] for specs in mixed_specs.values() for n, s in specs.items() if "invalid" in s}
+        if bad:
+            raise SystemExit(f"--mixed: no budget accepted by {bad}")
+    # The budget a batch's rows are sized for: a mixed batch's largest member budget.
+    top_budget = {b: max([b] + [s["budget"] or b for s in mixed_specs.get(b, {}).values()]) for b in cfg["budgets"]}
     kvsieve_n = {b: min(cfg["max_running"], region_tokens // (-(-(b + STREAM_INTERVAL + 1) // PAGE) * PAGE)
-                        // 1) for b in cfg["budgets"]}
+                        // 1) for b in sorted(set(cfg["budgets"]) | set(top_budget.values()))}
     if cfg["tbq"]:
         # One bf16 page (the group being filled) and the ceiling in 4-bit pages per (layer, kv head) and row.
         from kvsieve.radix_ext.tbq_store import QuantPool
@@ -269,8 +328,8 @@ def main() -> None:
         full_page, quant_page = PAGE * HEAD_DIM * 2 * 2, QuantPool.bytes_per_page(HEAD_DIM, PAGE, 4)
         region_bytes = region_tokens * BYTES_PER_TOKEN
         row_bytes = {b: LAYERS * KV_HEADS * (full_page + -(-(b + STREAM_INTERVAL + 1) // PAGE) * quant_page)
-                     for b in cfg["budgets"]}
-        kvsieve_n = {b: min(cfg["max_running"], region_bytes // row_bytes[b]) for b in cfg["budgets"]}
+                     for b in kvsieve_n}
+        kvsieve_n = {b: min(cfg["max_running"], region_bytes // row_bytes[b]) for b in kvsieve_n}
         tbq_full_pages = max(kvsieve_n.values()) * LAYERS * KV_HEADS
         tbq_quant_pages = (region_bytes - tbq_full_pages * full_page) // quant_page
     # A check workload both pools hold: prompts of 2K, the pool's share.
@@ -352,6 +411,16 @@ def main() -> None:
                                  tbq_region=cfg["tbq"], rows=n)
                     if results.get("machine"):
                         entry["roofline"] = roofline(results["machine"], n, n * (budget + SHORT_PROMPT))
+                    results["kvsieve"].append(entry)
+                    print("kvsieve", json.dumps(entry), flush=True)
+                    save()
+                    engine.flush_cache()
+                for temperature in (cfg["temperatures"] if cfg["mixed"] else []):
+                    entry = mixed_run(engine, cfg, mixed_specs[budget], budget, top_budget[budget],
+                                      kvsieve_n[top_budget[budget]], temperature)
+                    if results.get("machine") and entry["rows"] == kvsieve_n[top_budget[budget]]:
+                        entry["roofline"] = roofline(results["machine"], entry["rows"],
+                                                     entry["rows"] * (top_budget[budget] + SHORT_PROMPT))
                     results["kvsieve"].append(entry)
                     print("kvsieve", json.dumps(entry), flush=True)
                     save()

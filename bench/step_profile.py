@@ -2,6 +2,7 @@
 
     python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming[,rkv,...]] [--budget 1024]
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
+        [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
         [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
@@ -29,7 +30,57 @@ ranges (step metadata, each policy's step_inputs) beside it. Ranges are not
 recorded inside a CUDA-graph replay, so while the profiler records, the
 region's pass runs eagerly (radix_ext/profiling.recording): the profiled
 steps are slower than the unprofiled ones, whose throughput (region graphs
-on, as served) is reported beside them.
+on, as served) is reported beside them. `per_policy_ranges_ms` lists every
+policy of the run with its decide and observe GPU ms per step and its host
+step_inputs ms (0.0 where the trace has no such range: `full` runs
+SGLang's path, snapkv decides at prefill only); `policies_without_ranges`
+names those.
+
+A policy's budget is --budget unless it refuses it: then the smallest
+larger one it accepts (bench/gpu_smoke.py's policy_specs; crystalcache needs
+at least 132), recorded in `policies`.
+
+Mixed batch (issue #29: a mixed batch of policies as fast as its members).
+`--mixed 1`: after the solo runs, ONE batch of --requests requests with the
+listed policies dealt round robin (request i runs policy i mod P, each with
+its own budget and --policy-params), profiled the same way (the window opens
+once every request holds the largest budget + 32 tokens; every request
+generates the largest budget + 192), recorded under `runs` as
+`mixed:a+b+c`. `--mixed-only 1`: the mixed run only; the members' solo runs
+are then taken from OUT_DIR's existing JSON when its budget, requests,
+kv_tokens and device match (a second call after a solo one), and are
+otherwise missing from the comparison. The JSON's `comparison` block: the
+mixed run's unprofiled tokens/s, each member's solo tokens/s, their
+harmonic mean weighted by the member's rows in the mixed batch (the mixed
+batch's speed if each row cost what it costs in its solo batch of the same
+size: mixed step time = the rows' share-weighted mean of the solo step
+times) and mixed / that mean (1.0: as fast as its members).
+
+Every run also records `graphs`: kvsieve's CUDA-graph counters
+(radix_ext/metrics.py: kvsieve_decode_graph_captures and
+kvsieve_decode_graph_replays, graph=region counted at layer 0 of a step's
+compressed pass, graph=forward once per whole-forward replay) over the
+unprofiled window, read from the scheduler process through prometheus'
+multiprocess files (PROMETHEUS_MULTIPROC_DIR, set before the engine starts
+as bench/gpu_smoke.py does): captures and replays in the window, steps in
+the window (generated tokens / requests), `region_replays_per_step` and
+`forward_replays_per_step`. A step replays either its whole forward or its
+region pass per layer, so their sum near 1.0 says the run's steps replay
+graphs; near 0, they run eagerly (region captures in the window: shapes
+still being captured).
+
+For #29, one call on an H100 (estimated 6-8 minutes with the device set-up:
+four runs of about 1,300 steps at 320 rows; not yet run on a GPU). Build the
+wheel first, `pip wheel --no-deps . -w .gpu/`, and carry `.whl` and `.gpu`
+as for bench/gpu_smoke.py:
+
+    bash .whl/device-setup.sh && python3 -m pip install -q --no-deps --target /tmp/site2 .gpu/*.whl && PYTHONPATH=/tmp/site2:/tmp/site python3 bench/step_profile.py bench/models/r1-distill-qwen-7b $OUT --policy streaming,rkv,skipkv --mixed 1 --budget 1024 --requests 320 --steps 16 --out step-profile-mixed.json
+
+On CPU (`--device cpu`; MODEL_DIR `tiny` builds tests/tiny_models.py's
+Llama), the same runs without a profile (--steps 0; defaults --requests 4
+--budget 16 --kv-tokens 16384): a logic check, e.g.
+
+    python bench/step_profile.py tiny /tmp/sp --device cpu --policy streaming,h2o --mixed 1
 """
 
 from __future__ import annotations
@@ -42,17 +93,108 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_headline as headline  # noqa: E402  (same engine setup and prompts)
+import gpu_smoke as smoke  # noqa: E402  (policy_specs: budgets a policy accepts; the tiny CPU model)
 
 
-def options() -> dict:
-    opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
-    return {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024)),
-            "requests": int(opts.get("--requests", 512)), "steps": int(opts.get("--steps", 16)),
-            "kv_tokens": int(opts.get("--kv-tokens", 786432)), "out": opts.get("--out", "step-profile.json"),
-            "policy_params": json.loads(opts.get("--policy-params", "{}")), "stack": opts.get("--stack", "0") == "1"}
+def options(argv: list[str] | None = None) -> dict:
+    argv = sys.argv if argv is None else argv
+    opts = dict(zip(argv[3::2], argv[4::2]))
+    device = opts.get("--device", "cuda")
+    cuda = device == "cuda"
+    mixed_only = opts.get("--mixed-only", "0") == "1"
+    return {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024 if cuda else 16)),
+            "requests": int(opts.get("--requests", 512 if cuda else 4)),
+            "steps": int(opts.get("--steps", 16)) if cuda else 0,
+            "kv_tokens": int(opts.get("--kv-tokens", 786432 if cuda else 16384)),
+            "out": opts.get("--out", "step-profile.json"),
+            "policy_params": json.loads(opts.get("--policy-params", "{}")), "stack": opts.get("--stack", "0") == "1",
+            "mixed": opts.get("--mixed", "0") == "1" or mixed_only, "mixed_only": mixed_only, "device": device,
+            "mixed_first": opts.get("--mixed-first", "0") == "1"}
+
+
+def mixed_label(names: list[str]) -> str:
+    return "mixed:" + "+".join(names)
+
+
+def deal(names: list[str], n: int) -> list[str]:
+    """The policy of each of n requests: round robin."""
+    return [names[i % len(names)] for i in range(n)]
+
+
+def harmonic_mean(values: list[float], weights: list[float] | None = None) -> float:
+    weights = weights or [1.0] * len(values)
+    return sum(weights) / sum(w / v for w, v in zip(weights, values))
+
+
+def comparison(runs: dict, names: list[str], requests: int) -> dict:
+    """The mixed run of `names` against its members' solo runs (unprofiled
+    tokens/s); the members' harmonic mean is weighted by their rows in the
+    mixed batch."""
+    label = mixed_label(names)
+    mixed = runs.get(label, {}).get("tokens_per_s_unprofiled")
+    solo = {n: runs.get(n, {}).get("tokens_per_s_unprofiled") for n in names}
+    rows = deal(names, requests)
+    out = {"mixed": label, "mixed_tokens_per_s": mixed, "members_tokens_per_s": solo,
+           "member_rows": {n: rows.count(n) for n in names}}
+    missing = [n for n, v in solo.items() if not v]
+    if missing:
+        out["missing_members"] = missing
+        return out
+    mean = harmonic_mean([solo[n] for n in names], [rows.count(n) for n in names])
+    out["members_harmonic_mean_tokens_per_s"] = round(mean, 1)
+    if mixed:
+        out["ratio"] = round(mixed / mean, 3)
+    return out
+
+
+GRAPH_METRICS = {"kvsieve_decode_graph_captures_total": "captures", "kvsieve_decode_graph_replays_total": "replays"}
+
+
+def graph_counters(path: str | None = None) -> dict:
+    """kvsieve's graph counters by graph (region, forward), summed over the
+    engine's processes from prometheus' multiprocess files (path, default
+    PROMETHEUS_MULTIPROC_DIR); {} when they cannot be read."""
+    try:
+        from prometheus_client import CollectorRegistry, multiprocess
+
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg, path=path)
+        out: dict = {}
+        for metric in reg.collect():
+            for s in metric.samples:
+                if s.name in GRAPH_METRICS:
+                    graph = out.setdefault(s.labels.get("graph", "?"), {"captures": 0.0, "replays": 0.0})
+                    graph[GRAPH_METRICS[s.name]] += s.value
+        return out
+    except Exception:  # noqa: BLE001 - no counters is recorded as such, not a failed run
+        return {}
+
+
+def graph_rates(before: dict, after: dict, steps: float) -> dict:
+    """Captures and replays between two graph_counters() readings, and the
+    replays per decode step of the window."""
+    out = {"steps": round(steps, 1)}
+    for graph in ("region", "forward"):
+        for kind in ("captures", "replays"):
+            out[f"{graph}_{kind}"] = after.get(graph, {}).get(kind, 0.0) - before.get(graph, {}).get(kind, 0.0)
+        out[f"{graph}_replays_per_step"] = round(out[f"{graph}_replays"] / steps, 3) if steps else None
+    if not after:
+        out["note"] = "no kvsieve graph counters were readable (PROMETHEUS_MULTIPROC_DIR unset, or no graph ran yet)"
+    return out
+
+
+def policy_ranges(profile: dict, names: list[str]) -> dict:
+    """Every policy of a run with its decide / observe GPU ms per step and
+    its host step_inputs ms per step (0.0 where the trace has no range)."""
+    gpu, host = profile["gpu_ms_per_step_by_range"], profile["host_ms_per_step_by_range"]
+    out = {n: {"decide": gpu.get(f"kvsieve.decide.{n}", 0.0), "observe": gpu.get(f"kvsieve.observe.{n}", 0.0),
+               "step_inputs_host": host.get(f"kvsieve.step_inputs.{n}", 0.0)} for n in names}
+    return {"per_policy_ranges_ms": out,
+            "policies_without_ranges": [n for n, v in out.items() if not any(v.values())]}
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -164,45 +306,63 @@ def summarize(trace_path: str, steps: int) -> dict:
                                  for n, t, c in python_functions[:80]]}
 
 
-async def profile_one(engine, cfg, name: str, seed: int, trace_dir: str) -> dict:
-    """One policy's batch: --requests requests ramp to budget + 32 tokens,
-    the unprofiled throughput over the next 64 steps, then --steps profiled
-    steps; the batch then runs to its end before the next policy starts."""
+async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, trace_dir: str) -> dict:
+    """One batch of --requests requests, the policies of `names` dealt round
+    robin (one name: a solo run): they ramp to the largest budget + 32
+    tokens, the unprofiled throughput and graph counters over the next 64
+    steps, then --steps profiled steps (none with --steps 0); the batch then
+    runs to its end before the next one starts."""
     from sglang.srt.managers.io_struct import ProfileReq
 
-    budget, n = cfg["budget"], cfg["requests"]
+    n = cfg["requests"]
+    policies = {}
+    for name in names:
+        policies[name] = dict(specs[name]["kv_policy"])
+        if cfg["policy_params"].get(name):
+            policies[name]["params"] = cfg["policy_params"][name]
+    budget = max(specs[name]["budget"] or cfg["budget"] for name in names)
+    rows = deal(names, n)
     counts = [0] * n
-    policy = {"name": name, "budget": budget}
-    if cfg["policy_params"].get(name):
-        policy["params"] = cfg["policy_params"][name]
-    sampling = headline.params(budget + 192, policy)
     started = time.perf_counter()
 
     async def one(i, ids):
+        sampling = headline.params(budget + 192, policies[rows[i]])
         async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True):
             counts[i] = chunk["meta_info"]["completion_tokens"]
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(headline.prompts(n, headline.SHORT_PROMPT, seed))]
     while min(counts) < budget + 32:
+        if any(t.done() and t.exception() for t in tasks):
+            await asyncio.gather(*tasks)  # raises the request's error
         await asyncio.sleep(0.05)
     ramp_s = time.perf_counter() - started
     # Chunks arrive every STREAM_INTERVAL tokens per request: a window of
     # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
+    graphs_before = graph_counters()
     while sum(counts) < before[1] + 64 * n:
         await asyncio.sleep(0.02)
     after = (time.perf_counter(), sum(counts))
+    graphs_after = graph_counters()
     unprofiled = (after[1] - before[1]) / (after[0] - before[0])
-    profile_id = f"kvsieve-step-{name}"
-    await engine.tokenizer_manager.start_profile(ProfileReq(output_dir=trace_dir, num_steps=cfg["steps"],
-                                                            activities=["CPU", "GPU"], with_stack=cfg["stack"],
-                                                            record_shapes=False, profile_id=profile_id))
+    label = names[0] if len(names) == 1 else mixed_label(names)
+    profile_id = "kvsieve-step-" + ("mixed" if len(names) > 1 else names[0])
+    if cfg["steps"]:
+        await engine.tokenizer_manager.start_profile(ProfileReq(output_dir=trace_dir, num_steps=cfg["steps"],
+                                                                activities=["CPU", "GPU"], with_stack=cfg["stack"],
+                                                                record_shapes=False, profile_id=profile_id))
     await asyncio.gather(*tasks)
-    result = {"policy": policy, "ramp_s": round(ramp_s, 1), "tokens_per_s_unprofiled": round(unprofiled, 1),
-              "step_ms_unprofiled": round(1000 * n / unprofiled, 2)}
-    traces = sorted(glob.glob(os.path.join(trace_dir, f"{profile_id}*.trace.json.gz")))
+    result = {("policy" if len(names) == 1 else "policies"): policies[names[0]] if len(names) == 1 else policies,
+              "requests": n,
+              "ramp_s": round(ramp_s, 1), "tokens_per_s_unprofiled": round(unprofiled, 1),
+              "step_ms_unprofiled": round(1000 * n / unprofiled, 2),
+              "graphs": graph_rates(graphs_before, graphs_after, (after[1] - before[1]) / n)}
+    if len(names) > 1:
+        result.update(label=label, members=names, member_rows={m: rows.count(m) for m in names}, window_budget=budget)
+    traces = sorted(glob.glob(os.path.join(trace_dir, f"{profile_id}*.trace.json.gz"))) if cfg["steps"] else []
     if traces:
         result["profile"] = summarize(traces[-1], cfg["steps"])
+        result["profile"].update(policy_ranges(result["profile"], names))
     return result
 
 
@@ -213,6 +373,7 @@ def report(name: str, result: dict) -> None:
     prof = result["profile"]
     print(json.dumps({k: prof[k] for k in ("span_per_step_ms", "gpu_busy_share", "idle_gaps_over_50us")}))
     print("split", json.dumps(prof["split_per_step_ms"]))
+    print("per policy", json.dumps(prof.get("per_policy_ranges_ms")))
     print("host ranges", json.dumps(prof["host_ms_per_step_by_range"]))
     for k in prof["kernels"][:12]:
         print("kernel", k["per_step_ms"], k["count"], k["name"])
@@ -220,34 +381,83 @@ def report(name: str, result: dict) -> None:
         print("py", h["per_step_ms"], h["count"], h["name"])
 
 
+def earlier_runs(path: str, cfg: dict) -> tuple[dict, str | None]:
+    """The runs of OUT's existing JSON when it was made with the same budget,
+    requests, kv_tokens and device (for --mixed-only)."""
+    try:
+        previous = json.load(open(path))
+    except (OSError, ValueError):
+        return {}, None
+    old = previous.get("config", {})
+    if any(old.get(k, "cuda" if k == "device" else None) != cfg[k] for k in ("budget", "requests", "kv_tokens", "device")):
+        return {}, None
+    return previous.get("runs", {}), previous.get("command")
+
+
 def main() -> None:
     model, out_dir = sys.argv[1], sys.argv[2]
     cfg = options()
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    from kvsieve.service.engine import prepare_process_environment
+
+    # SGLANG_USE_CPU_ENGINE on cpu; prometheus' multiprocess dir, which the
+    # scheduler inherits: its kvsieve graph counters are read from there.
+    prepare_process_environment(cfg["device"])
+    model = str(smoke.model_dir(model))
+    shape = smoke.model_shape(Path(model))
+    vocab = shape["vocab"]
     headline.VOCAB_IDS = (min(1000, vocab // 4), min(100000, vocab))
+    names = cfg["policy"].split(",")
+    if cfg["mixed"] and (len(names) < 2 or cfg["requests"] < len(names)):
+        raise SystemExit("--mixed needs two policies or more and at least one request per policy")
+    specs = smoke.policy_specs(names, cfg["budget"])
+    invalid = {n: s["invalid"] for n, s in specs.items() if "invalid" in s}
+    if invalid:
+        raise SystemExit(f"no budget accepted: {invalid}")
     import torch
     import sglang as sgl
 
     os.environ["KVSIEVE_PROFILE_RANGES"] = "1"  # the named ranges of radix_ext/profiling.py
     pool_tokens = int(cfg["kv_tokens"] * headline.POOL_SHARE)
     region_tokens = cfg["kv_tokens"] - pool_tokens
-    os.environ["KVSIEVE_REGION_PAGES"] = str(region_tokens * headline.LAYERS * headline.KV_HEADS // headline.PAGE)
+    os.environ["KVSIEVE_REGION_PAGES"] = str(region_tokens * shape["layers"] * shape["kv_heads"] // headline.PAGE)
+    device_kwargs = dict(cuda_graph_max_bs_decode=128) if cfg["device"] == "cuda" else \
+        dict(device="cpu", disable_cuda_graph=True)
     engine = sgl.Engine(model_path=model, load_format="dummy", skip_tokenizer_init=True, sampling_backend="pytorch",
                         log_level="warning", mem_fraction_static=0.85, stream_interval=headline.STREAM_INTERVAL,
                         attention_backend="kvsieve", max_total_tokens=pool_tokens, max_running_requests=cfg["requests"],
-                        cuda_graph_max_bs_decode=128)
+                        **device_kwargs)
     trace_dir = os.path.join("/tmp", "kvsieve-trace")
     out_path = os.path.join(out_dir, cfg["out"])
-    result = {"device": torch.cuda.get_device_name(0), "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
-              "config": cfg, "runs": {}}
+    result = {"device": torch.cuda.get_device_name(0) if cfg["device"] == "cuda" else "cpu",
+              "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
+              "config": cfg, "policies": specs, "runs": {}}
+    if cfg["mixed_only"]:
+        result["runs"], earlier = earlier_runs(out_path, cfg)
+        if result["runs"]:
+            result["solo_runs_from"] = earlier
+
+    def save() -> None:
+        result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        if cfg["mixed"]:
+            result["comparison"] = comparison(result["runs"], names, cfg["requests"])
+        with open(out_path, "w") as f:  # after every run: a call cut short keeps what ran
+            json.dump(result, f, indent=1)
+
+    # (members, prompt seed): the solo runs' seeds as before; the mixed run's
+    # the same with --mixed and --mixed-only.
+    batches = [] if cfg["mixed_only"] else [([name], i + 7) for i, name in enumerate(names)]
+    if cfg["mixed"]:
+        # --mixed-first 1: the mixed batch before the solo runs (a call cut short keeps it).
+        batches.insert(0 if cfg["mixed_first"] else len(batches), (names, len(names) + 7))
     try:
-        for seed, name in enumerate(cfg["policy"].split(",")):
-            run = engine.loop.run_until_complete(profile_one(engine, cfg, name, seed + 7, trace_dir))
-            result["runs"][name] = run
-            result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            with open(out_path, "w") as f:  # after every policy: a call cut short keeps what ran
-                json.dump(result, f, indent=1)
-            report(name, run)
+        for members, seed in batches:
+            run = engine.loop.run_until_complete(profile_batch(engine, cfg, members, specs, seed, trace_dir))
+            label = run.get("label", members[0])
+            result["runs"][label] = run
+            save()
+            report(label, run)
+        if cfg["mixed"]:
+            print("comparison", json.dumps(result["comparison"]))
     finally:
         engine.shutdown()
 

@@ -1,0 +1,109 @@
+"""bench/step_profile.py: the mixed run's comparison with its members (the
+harmonic mean), the graph counters read from prometheus' multiprocess files,
+the per-policy split of a trace, and its CPU path end to end (a real engine
+on the session's tiny Llama, no profiler)."""
+
+import gzip
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location("step_profile", REPO / "bench/step_profile.py")
+step_profile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_profile)
+
+
+def test_harmonic_mean():
+    assert step_profile.harmonic_mean([100.0, 100.0]) == pytest.approx(100.0)
+    assert step_profile.harmonic_mean([100.0, 300.0]) == pytest.approx(150.0)
+    assert step_profile.harmonic_mean([100.0, 300.0], [3, 1]) == pytest.approx(4 / (3 / 100 + 1 / 300))
+
+
+def test_comparison_of_a_mixed_run_with_its_members():
+    runs = {"streaming": {"tokens_per_s_unprofiled": 100.0}, "rkv": {"tokens_per_s_unprofiled": 300.0},
+            "mixed:streaming+rkv": {"tokens_per_s_unprofiled": 120.0}}
+    out = step_profile.comparison(runs, ["streaming", "rkv"], 4)
+    assert out["mixed"] == "mixed:streaming+rkv" and out["mixed_tokens_per_s"] == 120.0
+    assert out["members_tokens_per_s"] == {"streaming": 100.0, "rkv": 300.0}
+    assert out["members_harmonic_mean_tokens_per_s"] == 150.0 and out["ratio"] == 0.8
+    # Rows dealt round robin: 3 of 5 are streaming, and the mean weighs them so.
+    assert step_profile.comparison(runs, ["streaming", "rkv"], 5)["member_rows"] == {"streaming": 3, "rkv": 2}
+    # A member without a solo run: named, no mean.
+    out = step_profile.comparison({"mixed:a+b": {"tokens_per_s_unprofiled": 5.0}, "a": {"tokens_per_s_unprofiled": 5.0}},
+                                  ["a", "b"], 2)
+    assert out["missing_members"] == ["b"] and "ratio" not in out
+
+
+def test_options_mixed_only_implies_mixed_and_cpu_defaults():
+    cfg = step_profile.options(["x", "MODEL", "OUT", "--policy", "a,b", "--mixed-only", "1", "--device", "cpu"])
+    assert cfg["mixed"] and cfg["mixed_only"] and cfg["steps"] == 0 and cfg["requests"] == 4
+    cfg = step_profile.options(["x", "MODEL", "OUT"])
+    assert not cfg["mixed"] and (cfg["budget"], cfg["requests"], cfg["steps"]) == (1024, 512, 16)
+
+
+def test_graph_counters_from_another_process(tmp_path):
+    # The scheduler records them in its own process; the bench reads the files.
+    code = ("from kvsieve.radix_ext import metrics\n"
+            "for _ in range(3): metrics.record_graph_replay('region')\n"
+            "metrics.record_graph_capture('region'); metrics.record_graph_replay('forward')\n")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    counters = step_profile.graph_counters(str(tmp_path))
+    assert counters == {"region": {"captures": 1.0, "replays": 3.0}, "forward": {"captures": 0.0, "replays": 1.0}}
+    rates = step_profile.graph_rates({"region": {"captures": 1.0, "replays": 1.0}}, counters, 4)
+    assert rates["region_replays"] == 2.0 and rates["region_replays_per_step"] == 0.5
+    assert rates["forward_replays_per_step"] == 0.25 and rates["region_captures"] == 0.0
+    assert "note" in step_profile.graph_rates({}, {}, 4)
+    assert step_profile.graph_counters(str(tmp_path / "missing")) == {}
+
+
+def test_every_policy_of_a_mixed_run_shows_in_the_split(tmp_path):
+    # Two profiled steps: h2o decides in one, rkv observes in both, `full` has no range.
+    def kernel(ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}
+
+    def gpu_range(name, ts, dur):
+        return {"ph": "X", "cat": "gpu_user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel(0, 100), kernel(100, 50), kernel(200, 100), kernel(300, 40),
+              gpu_range("kvsieve.decide.h2o", 100, 50), gpu_range("kvsieve.observe.rkv", 300, 40),
+              gpu_range("kvsieve.observe.rkv", 0, 10),
+              {"ph": "X", "cat": "user_annotation", "name": "kvsieve.step_inputs.h2o", "ts": 0, "dur": 8}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    prof = step_profile.summarize(str(path), 2)
+    assert prof["split_per_step_ms"]["decision.h2o"] == 0.025
+    assert prof["split_per_step_ms"]["observation.rkv"] == 0.025
+    ranges = step_profile.policy_ranges(prof, ["h2o", "rkv", "full"])
+    assert ranges["per_policy_ranges_ms"]["h2o"] == {"decide": 0.025, "observe": 0.0, "step_inputs_host": 0.004}
+    assert ranges["per_policy_ranges_ms"]["rkv"]["observe"] == 0.025
+    assert ranges["policies_without_ranges"] == ["full"]
+
+
+def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # its own metrics dir
+    proc = subprocess.run([sys.executable, str(REPO / "bench/step_profile.py"), str(tiny_llama), str(tmp_path),
+                           "--device", "cpu", "--policy", "streaming,crystalcache", "--mixed", "1", "--budget", "8",
+                           "--out", "sp.json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "sp.json").read_text())
+    assert result["device"] == "cpu"
+    assert set(result["runs"]) == {"streaming", "crystalcache", "mixed:streaming+crystalcache"}
+    # crystalcache refuses budget 8: it runs at the smallest budget it accepts.
+    assert result["policies"]["crystalcache"]["budget"] >= 132
+    assert result["runs"]["crystalcache"]["policy"]["budget"] == result["policies"]["crystalcache"]["budget"]
+    mixed = result["runs"]["mixed:streaming+crystalcache"]
+    assert mixed["member_rows"] == {"streaming": 2, "crystalcache": 2}
+    assert mixed["window_budget"] == result["policies"]["crystalcache"]["budget"]
+    assert all(r["tokens_per_s_unprofiled"] > 0 and r["graphs"]["steps"] > 0 for r in result["runs"].values())
+    comp = result["comparison"]
+    assert comp["mixed"] == "mixed:streaming+crystalcache" and comp["ratio"] > 0
+    assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
+        [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
