@@ -310,7 +310,7 @@ class PageManager:
         for row, start in p.null_entries:
             self.table[row, :, :, start:].fill_(self.null_page)
         for row, pages, clear in p.bind:
-            self._ensure_width(pages.shape[2])
+            self.ensure_width(pages.shape[2])
             self.table[row].fill_(self.null_page)
             self.table[row, :, :, :pages.shape[2]] = to_device(pages, torch.int64, self.table.device)
             if clear:
@@ -318,8 +318,9 @@ class PageManager:
                 self._clear_pages(to_device(real, torch.int64, self.table.device))
         self._pending = _Pending()
 
-    def _ensure_width(self, columns: int) -> None:
-        """Widen the table (rare: a request wider than any before)."""
+    def ensure_width(self, columns: int) -> None:
+        """Widen the table (rare: a request wider than any before, or a
+        decode step's width rounded up: step_meta.WIDTH_STEP)."""
         have = self.table.shape[3]
         if columns > have:
             pad = torch.full((*self.table.shape[:3], columns - have), self.null_page,
