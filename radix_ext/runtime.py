@@ -458,12 +458,18 @@ class KVRuntime:
     def observe_tokens(self, forward_batch, input_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Hand policies that asked for them the token ids and last-layer
         hidden states of their private tokens in this forward."""
+        rids = forward_batch.rids
+        if not rids:
+            # A forward SGLang replayed from its own graphs (its static batch
+            # names no requests): it has no compressed rows
+            # (plugin.graphs_skip_compressed_batches), so nothing to observe.
+            return
         extend = forward_batch.forward_mode.is_extend()
-        lengths = forward_batch.extend_seq_lens_cpu if extend else [1] * len(forward_batch.rids)
+        lengths = forward_batch.extend_seq_lens_cpu if extend else [1] * len(rids)
         by_policy: dict = {}  # one call per policy, not per request
         owners: dict = {}  # policy -> its CompressedRequests here (a fault ends them)
         start = 0
-        for rid, n in zip(forward_batch.rids, lengths):
+        for rid, n in zip(rids, lengths):
             req = self.requests.get(rid)
             if rid in self.token_observers and req is not None and not req.overflowed:
                 by_policy.setdefault(req.policy, []).append((req.state, start, n))
