@@ -469,6 +469,52 @@ def region_after(timeout: float = 15) -> dict:
 
 # ----- main -----
 
+def start_engine(engine_kwargs: dict, results: dict, save) -> object | None:
+    """sglang.Engine(**engine_kwargs), its start time in `results`; None when
+    it does not start (the error saved in `results`)."""
+    import sglang
+
+    started = time.monotonic()
+    try:
+        engine = sglang.Engine(**engine_kwargs)
+    except BaseException as exc:
+        results["engine_start_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        save()
+        print(f"FAILED: the engine did not start: {exc}", flush=True)
+        return None
+    results["engine_start_s"] = round(time.monotonic() - started, 1)
+    results["stage"] = "workloads"
+    return engine
+
+
+def report_engine_death(engine, state: dict, results: dict, save) -> None:
+    """When a child of the engine fails it sends SIGQUIT, and SGLang's own
+    handler would kill this process before the JSON says so: ours marks the
+    engine dead and the workload running (state["current"]) failed, saves,
+    and ends the process with status 3."""
+    def on_sigquit() -> None:
+        state["engine_alive"] = False
+        results["engine_died"] = "a child process sent SIGQUIT (it failed)"
+        if state["current"] is not None:
+            state["current"].update(status="engine died", engine_alive=False)
+            state["current"]["errors"] = max(1, state["current"].get("errors") or 0)
+        save()
+        print("FAILED: the engine died (SIGQUIT from a child); JSON written", flush=True)
+        from sglang.srt.utils import kill_process_tree
+
+        kill_process_tree(os.getpid(), include_parent=False)
+        os._exit(3)
+
+    async def install() -> None:
+        # Inside the engine's loop: SGLang makes its request loop there and
+        # puts its own SIGQUIT handler on it (on the first request otherwise,
+        # replacing ours); outside a running loop it would make another loop.
+        engine.tokenizer_manager.auto_create_handle_loop()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, on_sigquit)
+
+    engine.loop.run_until_complete(install())
+
+
 def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     args = parse_args(argv)
@@ -524,45 +570,13 @@ def main(argv: list[str]) -> int:
         tmp.replace(out_path)
 
     save()
-    import sglang
-
     print(f"gpu_smoke: {results['device']}, {len(names)} policies, split {json.dumps(split)}", flush=True)
-    started = time.monotonic()
-    try:
-        engine = sglang.Engine(**engine_kwargs)
-    except BaseException as exc:
-        results["engine_start_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        save()
-        print(f"FAILED: the engine did not start: {exc}", flush=True)
+    engine = start_engine(engine_kwargs, results, save)
+    if engine is None:
         return 2
-    results["engine_start_s"] = round(time.monotonic() - started, 1)
-    results["stage"] = "workloads"
-
-    def on_sigquit() -> None:
-        # A child of the engine failed: SGLang's own handler would kill this
-        # process before the JSON says so.
-        state["engine_alive"] = False
-        results["engine_died"] = "a child process sent SIGQUIT (it failed)"
-        if state["current"] is not None:
-            state["current"].update(status="engine died", engine_alive=False)
-            state["current"]["errors"] = max(1, state["current"].get("errors") or 0)
-        save()
-        print("FAILED: the engine died (SIGQUIT from a child); JSON written", flush=True)
-        from sglang.srt.utils import kill_process_tree
-
-        kill_process_tree(os.getpid(), include_parent=False)
-        os._exit(3)
-
     exit_code = 1
     try:
-        async def install_sigquit_handler() -> None:
-            # Inside the engine's loop: SGLang makes its request loop there and
-            # puts its own SIGQUIT handler on it (on the first request otherwise,
-            # replacing ours); outside a running loop it would make another loop.
-            engine.tokenizer_manager.auto_create_handle_loop()
-            asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, on_sigquit)
-
-        engine.loop.run_until_complete(install_sigquit_handler())
+        report_engine_death(engine, state, results, save)
         try:
             # What Engine.get_server_info() reports as internal_states, with a timeout.
             states = engine.loop.run_until_complete(asyncio.wait_for(engine.tokenizer_manager.get_internal_state(), 60))

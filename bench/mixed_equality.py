@@ -91,7 +91,6 @@ import json
 import os
 import random
 import shlex
-import signal
 import statistics
 import sys
 import time
@@ -349,41 +348,13 @@ def main(argv: list[str]) -> int:
         print(f"FAILED: no budget accepted by {invalid}", flush=True)
         return 2
     save()
-    import sglang
-
     print(f"mixed_equality: {results['device']}, {len(names)} policies, split {json.dumps(split)}", flush=True)
-    started = time.monotonic()
-    try:
-        engine = sglang.Engine(**engine_kwargs)
-    except BaseException as exc:
-        results["engine_start_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        save()
-        print(f"FAILED: the engine did not start: {exc}", flush=True)
+    engine = smoke.start_engine(engine_kwargs, results, save)
+    if engine is None:
         return 2
-    results["engine_start_s"] = round(time.monotonic() - started, 1)
-    results["stage"] = "workloads"
-
-    def on_sigquit() -> None:
-        # A child of the engine failed: SGLang's own handler would kill this
-        # process before the JSON says so.
-        state["engine_alive"] = False
-        results["engine_died"] = "a child process sent SIGQUIT (it failed)"
-        if state["current"] is not None:
-            state["current"].update(status="engine died", errors=max(1, state["current"].get("errors") or 0))
-        save()
-        print("FAILED: the engine died (SIGQUIT from a child); JSON written", flush=True)
-        from sglang.srt.utils import kill_process_tree
-
-        kill_process_tree(os.getpid(), include_parent=False)
-        os._exit(3)
-
     exit_code = 1
     try:
-        async def install_sigquit_handler() -> None:
-            engine.tokenizer_manager.auto_create_handle_loop()
-            asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, on_sigquit)
-
-        engine.loop.run_until_complete(install_sigquit_handler())
+        smoke.report_engine_death(engine, state, results, save)
         try:
             states = engine.loop.run_until_complete(asyncio.wait_for(engine.tokenizer_manager.get_internal_state(), 60))
             state0 = states[0] if states else {}
