@@ -270,11 +270,20 @@ def test_replica_killed_mid_load(ray_service):
     # arrive in bursts (all 12 streams had ended before 8 of them had shown
     # two chunks), so the client cannot tell which streams are in flight;
     # the replicas' CPU can.
+    # Not before every stream has its first chunk: a request a replica has
+    # not started yet is routed again when that replica dies (a kill right
+    # after the streams were sent left every stream finishing on the other
+    # replica, twice in CI).
+    deadline = time.monotonic() + 300
+    while not all(o.get("chunks") for o in outs) and not any(o.get("ended") for o in outs):
+        assert time.monotonic() < deadline, outs
+        time.sleep(0.2)
     victims = engine_replica_procs(psutil.Process(s.proc.pid))
     assert len(victims) == 2
     victim = generating(victims, time.monotonic() + 300)
     victim.kill()  # SIGKILL: no drain, no goodbye
-    print("streams ended before the kill:", sum(o["finish"] is not None for o in outs))
+    print("streams ended before the kill:", sum(o["finish"] is not None for o in outs),
+          "chunks at the kill:", [o.get("chunks") for o in outs])
     killed_at = time.monotonic()
     for t in threads:
         t.join(timeout=300)
