@@ -15,7 +15,7 @@ kvsieve_request_errors_total{policy, stage}, and the caller goes on without
 that group's result. Every other request of the batch is untouched.
 
 Out of memory in a decision is retried in smaller row chunks first
-(backend._decide_group); only a single row that still does not fit fails.
+(backend._group_pass); only a single row that still does not fit fails.
 """
 
 from __future__ import annotations

@@ -165,10 +165,6 @@ def group_signature(group) -> Optional[tuple]:
             tuple(sorted(group.params)), tuple(sorted(group.inputs)), _shapes(group_tensors(group)))
 
 
-def _static_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.clone()
-
-
 class ObservationBuffers:
     """Static homes of the attention segment's observations, read by every
     group segment: per kind, a view [rows, ...] of one flat buffer whose row
@@ -231,7 +227,6 @@ class _GroupEntry:
     tensors: list  # group_tensors(group)
     graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
     generation: int = 0  # ObservationBuffers.generation its graphs read
-    table: object = None  # the page table its graphs read (the region's grows by reallocation)
     table_version: int = 0  # RegionGraphs.table_version when they were captured
     eager: bool = False  # its capture failed: it runs eagerly from then on
 
@@ -361,10 +356,10 @@ class RegionGraphs:
         import copy
 
         g = copy.copy(group)
-        g.rows, g.budget, g.step, g.pool_rows = (_static_copy(group.rows), _static_copy(group.budget),
-                                                 _static_copy(group.step), _static_copy(group.pool_rows))
-        g.params = {k: _static_copy(v) for k, v in group.params.items()}
-        g.inputs = {k: _static_copy(v) for k, v in group.inputs.items()}
+        g.rows, g.budget, g.step, g.pool_rows = (group.rows.clone(), group.budget.clone(), group.step.clone(),
+                                                 group.pool_rows.clone())
+        g.params = {k: v.clone() for k, v in group.params.items()}
+        g.inputs = {k: v.clone() for k, v in group.inputs.items()}
         return g
 
     @staticmethod
@@ -375,7 +370,7 @@ class RegionGraphs:
         static.region = copy.copy(step.region)
         rows = static.region
         for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "positions"):
-            setattr(rows, name, _static_copy(getattr(rows, name)))
+            setattr(rows, name, getattr(rows, name).clone())
         # The captured pass reads the compressed rows from static inputs, in
         # order, and writes every row's output (padded ones too) to static o.
         rows.batch_index = torch.arange(rows.pool_rows.shape[0], device=rows.pool_rows.device)
@@ -506,11 +501,9 @@ class RegionGraphs:
         if backend.group_idle(gentry.group, layer):
             return  # nothing to run (or capture: an empty graph)
         self.watch_table(backend.pages.table)
-        if (gentry.generation != self.observations.generation or gentry.table is not backend.pages.table
-                or gentry.table_version != self.table_version):
+        if gentry.generation != self.observations.generation or gentry.table_version != self.table_version:
             gentry.graphs.clear()  # they read observation buffers or a page table that have grown since
-            gentry.generation, gentry.table = self.observations.generation, backend.pages.table
-            gentry.table_version = self.table_version
+            gentry.generation, gentry.table_version = self.observations.generation, self.table_version
         graph = gentry.graphs.get(lid)
         if graph is not None:
             graph.replay()

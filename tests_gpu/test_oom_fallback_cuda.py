@@ -1,5 +1,5 @@
 """Out of GPU memory inside a decision, for real (radix_ext/faults.py,
-backend._decide_group, region_graphs._try_capture): a policy whose decision
+backend._group_pass, region_graphs._try_capture): a policy whose decision
 over more than LIMIT rows allocates more than the GPU has. The pass retries
 on halves of the group down to LIMIT rows and gives the eager result of a
 policy that never ran out; inside a CUDA-graph capture the capture is
