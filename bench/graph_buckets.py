@@ -161,7 +161,7 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
             "replayed_share": round(replayed / steps, 4), "eager_steps": eager,
             "group_replayed_share": round(groups_replayed / max(groups_seen, 1), 4),
             "whole_step_share": round(whole / steps, 4), "groups_per_step": round(groups_seen / steps, 2),
-            "distinct_shapes": len(keys),
+            "distinct_shapes": len(keys), "graph_resets": graphs.resets,
             "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1),
             "build_ms_per_step": round(1000 * sum(build_s) / len(build_s), 2),
             "build_ms_p50": round(1000 * sorted(build_s)[len(build_s) // 2], 2)}

@@ -536,13 +536,22 @@ def engine_kwargs(name: str, args, model: Path, split: dict) -> dict:
     return kwargs
 
 
-def set_region_env(name: str, split: dict) -> dict:
-    """kvsieve's region pages as the headline sets them; none for vanilla."""
-    keys = ("KVSIEVE_REGION_PAGES", "KVSIEVE_REGION_QUANT_PAGES")
+def step_log_path(args) -> str:
+    """kvsieve's per-forward log (radix_ext/step_log.py), beside the JSON."""
+    return str(Path(args.out).with_suffix("")) + "-steps.jsonl"
+
+
+def set_region_env(name: str, split: dict, step_log: str | None = None) -> dict:
+    """kvsieve's region pages as the headline sets them, and its step log;
+    none for vanilla."""
+    keys = ("KVSIEVE_REGION_PAGES", "KVSIEVE_REGION_QUANT_PAGES", "KVSIEVE_STEP_LOG")
     if name == "kvsieve":
         os.environ["KVSIEVE_REGION_PAGES"] = str(split["region_pages"])
         os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(split["quantized_pages"])
-        return {k: os.environ[k] for k in keys}
+        if step_log:
+            Path(step_log).unlink(missing_ok=True)
+            os.environ["KVSIEVE_STEP_LOG"] = step_log
+        return {k: os.environ[k] for k in keys if k in os.environ}
     for k in keys:
         os.environ.pop(k, None)
     return {}
@@ -689,7 +698,7 @@ def run_engine(name, args, model, shape, split, specs, trace, results, save, t0)
 
     kwargs = engine_kwargs(name, args, model, split)
     entry = results["engines"].setdefault(name, {"rates": {}})
-    entry.update(engine_kwargs=kwargs, env=set_region_env(name, split), date=results["date"],
+    entry.update(engine_kwargs=kwargs, env=set_region_env(name, split, step_log_path(args)), date=results["date"],
                  command=results["command"])
     forget_metrics()
     started = time.monotonic()
@@ -745,6 +754,7 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
     flushed = flush_cache(engine)  # each rate starts with the same (empty) radix cache
     before = retraction_counter()
     started = time.monotonic()
+    wall_start = time.time()
     try:
         records, cut, load = engine.loop.run_until_complete(replay(
             engine, requests, lambda r: sampling_params(r, name, specs, args.temperature), timeout))
@@ -760,6 +770,10 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
                    cache_flushed=flushed, status="done", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    command=entry["command"],
                    retracted_counter_delta=None if before is None or after is None else after - before)
+    if name == "kvsieve" and os.path.exists(step_log_path(args)):
+        from kvsieve.radix_ext import step_log
+
+        figures["steps"] = step_log.summarize(step_log.read(step_log_path(args)), wall_start, time.time())
     entry["rates"][key] = figures
     print(f"{name:8s} rate {key:>5s}/s: {figures['offered']} offered, {figures['completed']} done, "
           f"{figures['unfinished']} unfinished, {figures['unsent']} unsent, {figures['errors']} errors; "
@@ -768,6 +782,10 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
           f"TPOT p50/p99 {figures['tpot_p50_ms']}/{figures['tpot_p99_ms']} ms; queued {figures['queued']}, "
           f"retracted {figures['retracted_requests']} ({figures['wall_s']} s)"
           + (f"; first error: {figures['error_messages'][0]}" if figures["error_messages"] else ""), flush=True)
+    if "steps" in figures:
+        print(f"{name:8s} rate {key:>5s}/s: forwards {json.dumps(figures['steps']['modes'])}; decode "
+              f"{json.dumps(figures['steps']['decode_kinds'])}; graphs {json.dumps(figures['steps'].get('graph_counters'))}",
+              flush=True)
     return figures["errors"] == 0  # cut-off requests are a measurement (overload), errors are not
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -43,6 +44,7 @@ from .model_info import build_model_info
 from .profiling import recording, span
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
+from .step_log import StepLog
 from .step_meta import StepBuilder, StepMeta
 
 logger = logging.getLogger(__name__)
@@ -62,16 +64,19 @@ def _platform_backend(model_runner):
     return TorchNativeAttnBackend(model_runner)
 
 
-def observed_rows(policy, obs: Observations, rows: torch.Tensor) -> Observations:
-    """The observations `policy` asked for (Policy.needs), of `rows`: a
+def observed_rows(policy, obs: Observations, rows: torch.Tensor, slots: Optional[int] = None) -> Observations:
+    """The observations `policy` asked for (Policy.needs), of `rows` and
+    their first `slots` slots (a decode group's width: its page-table
+    columns lead the step's, so its slots are a prefix of the step's): a
     group reads only its own kinds, so its captured pass does not depend on
     what the other groups of the step asked for."""
     needs = policy.needs
+    cut = slice(None) if slots is None else slice(0, slots)
 
     def pick(kind, t):
-        return t[rows] if t is not None and needs & kind else None
+        return t[rows, :, cut] if t is not None and needs & kind else None
     return Observations(attention=pick(Need.ATTENTION, obs.attention), pv_norm=pick(Need.PV_NORM, obs.pv_norm),
-                        sparsity=pick(Need.SPARSITY, obs.sparsity))
+                        sparsity=obs.sparsity[rows] if obs.sparsity is not None and needs & Need.SPARSITY else None)
 
 
 def _private_ids(req) -> list:
@@ -123,6 +128,7 @@ class KvsieveAttnBackend(AttentionBackend):
         #: Policy groups padded to bucketed row counts where graphs replay
         #: (step_meta.row_bucket; KVSIEVE_GRAPH_BUCKETS=0 turns it off).
         self.steps.pad_rows = self.graphs is not None and region_graphs.buckets_enabled()
+        self.step_log = StepLog.from_env()  # KVSIEVE_STEP_LOG: where a serving run's time goes
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
                        else "the PyTorch reference (kernels/attention_ref.py)")
@@ -172,6 +178,8 @@ class KvsieveAttnBackend(AttentionBackend):
                 self.graphs.current = None
             if self.forward_graphs is not None:
                 self.forward_graphs.begin_step(self.step, forward_batch.batch_size)
+        if self.step_log is not None:
+            self.step_log.record(forward_batch, self.step, self.graphs, self.forward_graphs)
         if self.step is None:
             self.inner.init_forward_metadata(forward_batch)
         elif self.step.pool_batch is not None:
@@ -362,7 +370,8 @@ class KvsieveAttnBackend(AttentionBackend):
             return
         deciding = group.action == "decide"
         table = self.pages.table[group.pool_rows, layer.layer_id, :, :group.width]  # [Rg, H, M]
-        self._group_pass(group, layer, table, observed_rows(group.policy, obs, group.rows),
+        self._group_pass(group, layer, table, observed_rows(group.policy, obs, group.rows,
+                                                           group.width * self.pages.config.page_size),
                          prefill=False, stage="decide" if deciding else "observe")
 
     @staticmethod

@@ -74,6 +74,23 @@ ROWS_STEP = 16
 #: Every 64 tokens instead, for at most 3 columns of null pages the
 #: attention reads past the widest row (4.6% at budget 1024).
 WIDTH_STEP = 4
+#: Past this many columns (2,048 tokens) widths grow geometrically instead
+#: (width_bucket): a row that is never cut (snapkv, or any policy before its
+#: budget with a long private prompt) grows by a column every 16 tokens,
+#: and under traffic such a row set the width of every step, which
+#: restarted every captured graph every 64 tokens.
+WIDE_FROM = 128
+
+
+def width_bucket(columns: int) -> int:
+    """Page-table columns a decode step (or a policy group) is padded to
+    where graphs replay: multiples of WIDTH_STEP up to WIDE_FROM, then four
+    steps per doubling (160, 192, 224, 256, 320, ...: at most a quarter of
+    null columns, which the attention kernel skips block by block)."""
+    if columns <= WIDE_FROM:
+        return max(WIDTH_STEP, -(-columns // WIDTH_STEP) * WIDTH_STEP)
+    step = 1 << ((columns - 1).bit_length() - 3)
+    return -(-columns // step) * step
 
 
 def prefix_bucket(tokens: int) -> int:
@@ -126,12 +143,14 @@ def decision_rows_limit(heads: int, slots: int, head_dim: int, element: int) -> 
     return 1 << (rows.bit_length() - 1)
 
 
-def chunk_key_readers(groups: list, limit: int) -> list:
+def chunk_key_readers(groups: list, limit_of) -> list:
     """Deciding groups of policies that read keys, cut into chunks of at
-    most `limit` rows (one decision call each; decisions are per row)."""
+    most `limit_of(group)` rows (one decision call each; decisions are per
+    row)."""
     out = []
     for group in groups:
         n = len(group.members)
+        limit = limit_of(group)
         reads_keys = group.policy.needs & (Need.KEYS | Need.LAYER0_KEYS)
         if (group.action != "decide" or not reads_keys or n <= limit or not group.policy.decides_rows_apart
                 or not group.splittable()):
@@ -164,10 +183,11 @@ class PolicyGroup:
     #: Set when its policy code failed in this step (faults.py): later
     #: layers skip it.
     failed: bool = False
-    #: Page-table columns of the step (decode): the group's pass reads its
-    #: rows' slots through the page table's rows `pool_rows` up to this
-    #: width, never through the step's table, so its captured graph does not
-    #: depend on the step's other rows (region_graphs.py).
+    #: Page-table columns of the group's own rows (decode; padded by
+    #: width_bucket where graphs replay): its pass reads its rows' slots
+    #: through the page table's rows `pool_rows` up to this width, never
+    #: through the step's table, so neither its work nor its captured graph
+    #: depends on the step's other rows (region_graphs.py).
     width: int = 0
 
     def splittable(self) -> bool:
@@ -318,6 +338,8 @@ class StepBuilder:
         #: Pad decode steps' policy groups to row_bucket sizes (set where the
         #: compressed pass replays captured graphs: region_graphs.py).
         self.pad_rows = pad_rows
+        #: The padded decode width last used (_decode_width).
+        self.held_width = 0
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
@@ -381,7 +403,7 @@ class StepBuilder:
         pool_rows_t = _long(pool_rows, dev)
         width = self.pages.width_of([r.rid for r in requests])
         if self.pad_rows and not prefill:
-            width = -(-width // WIDTH_STEP) * WIDTH_STEP
+            width = self._decode_width(width)
             self.pages.ensure_width(width)
         tables = self.pages.table[pool_rows_t, :, :, :width]
         P = max(prefix_lens)
@@ -396,9 +418,10 @@ class StepBuilder:
             prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
             prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
         groups = self._groups(requests, list(range(len(requests))), steps, budgets, pool_rows, prefill)
-        groups = chunk_key_readers(groups, decision_rows_limit(tables.shape[2], width * self.pages.config.page_size,
-                                                               self.pages.config.head_dim,
-                                                               self.pages.k.element_size()))
+        for group in groups:
+            group.width = width if prefill else self._group_width(group, width)
+        page, dim, element = self.pages.config.page_size, self.pages.config.head_dim, self.pages.k.element_size()
+        groups = chunk_key_readers(groups, lambda g: decision_rows_limit(tables.shape[2], g.width * page, dim, element))
         needs = later_needs = Need.NONE
         for g in groups:
             needs |= g.policy.needs
@@ -410,6 +433,25 @@ class StepBuilder:
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
                                   for g in groups), real=len(requests))
+
+    def _decode_width(self, columns: int) -> int:
+        """The decode step's padded width (width_bucket), kept while the
+        widest rows narrow by less than half: a wide row that ends then
+        does not restart every captured graph (region_graphs.reset)."""
+        width = width_bucket(columns)
+        if width < self.held_width < 2 * width:
+            return self.held_width
+        self.held_width = width
+        return width
+
+    def _group_width(self, group: PolicyGroup, step_width: int) -> int:
+        """Columns a decode group's pass reads: its own rows' widest (padded
+        alike where graphs replay), not the step's. A policy's decision
+        gathers keys over these, so a wide row of another policy in the
+        batch (snapkv, `full`-like growth) must not widen every group's
+        work, nor change its graphs' shapes."""
+        columns = self.pages.width_of([r.rid for r in group.requests])
+        return min(step_width, width_bucket(columns)) if self.pad_rows else columns
 
     def pad(self, rows: RegionRows) -> None:
         """Pad the policy groups of a decode step to row_bucket rows, so that
@@ -544,8 +586,6 @@ class StepBuilder:
             self._flushes(rows, requests, steps)
             if self.pad_rows:
                 self.pad(rows)
-            for group in rows.groups:
-                group.width = rows.tables.shape[3]
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
 
     def _flushes(self, rows: RegionRows, requests: list, steps: list[int]) -> None:

@@ -236,10 +236,44 @@ def test_decisions_that_read_keys_come_in_row_chunks_within_the_scratch_bound(mo
 
     # crystalcache reads keys too but decides whole (its snapshot is keyed by the group).
     out = chunk_key_readers([group("rkv", 5), group("streaming", 5), group("rkv", 5, "observe"),
-                             group("crystalcache", 5)], 2)
+                             group("crystalcache", 5)], lambda g: 2)
     assert [(g.policy.name, g.action, g.members) for g in out] == [
         ("rkv", "decide", [0, 1]), ("rkv", "decide", [2, 3]), ("rkv", "decide", [4]),
         ("streaming", "decide", [0, 1, 2, 3, 4]), ("rkv", "observe", [0, 1, 2, 3, 4]),
         ("crystalcache", "decide", [0, 1, 2, 3, 4])]
     assert [g.rows.tolist() for g in out[:3]] == [[0, 1], [2, 3], [4]]
     assert out[2].requests == ["r4"] and out[1].params["x"].tolist() == [2, 3]
+    # The bound is the group's own: a group of narrow rows is cut into fewer chunks.
+    wide, narrow = group("rkv", 5), group("skipkv", 5)
+    wide.width, narrow.width = 68, 17
+    monkeypatch.setenv("KVSIEVE_DECISION_SCRATCH_MB", "128")
+    out = chunk_key_readers([wide, narrow], lambda g: decision_rows_limit(4, g.width * 16, 128, 2))
+    assert [len(g.members) for g in out] == [5, 5]
+    monkeypatch.setenv("KVSIEVE_DECISION_SCRATCH_MB", "1")  # rows of 1.1 MB (wide) and 0.27 MB (narrow)
+    out = chunk_key_readers([wide, narrow], lambda g: decision_rows_limit(4, g.width * 16, 128, 2))
+    assert [(g.policy.name, len(g.members)) for g in out] == [("rkv", 1)] * 5 + [("skipkv", 2), ("skipkv", 2),
+                                                                                  ("skipkv", 1)]
+
+
+def test_width_buckets_step_by_four_then_four_per_doubling():
+    from kvsieve.radix_ext.step_meta import width_bucket
+
+    assert [width_bucket(c) for c in (1, 4, 5, 17, 68, 127, 128)] == [4, 4, 8, 20, 68, 128, 128]
+    assert [width_bucket(c) for c in (129, 160, 161, 256, 257, 274, 700)] == [160, 160, 192, 256, 320, 320, 768]
+    # Never below what was asked, never more than a quarter above it past WIDE_FROM.
+    for c in range(1, 3000):
+        w = width_bucket(c)
+        assert w >= c and (c <= 128 or w <= c * 1.25)
+
+
+def test_a_padded_decode_width_is_held_while_the_widest_rows_narrow_by_less_than_half():
+    import torch
+
+    from kvsieve.radix_ext.step_meta import StepBuilder
+
+    steps = StepBuilder(pages=None, req_to_token=torch.zeros(1, 1), device="cpu", pad_rows=True)
+    widths = [steps._decode_width(c) for c in (17, 20, 21, 274, 200, 161, 129, 100, 40, 17, 18)]
+    # Growing: every bucket. Narrowing: 320 held down to 161 (bucket 192 > 160);
+    # 129 (bucket 160, half of 320) takes a new width, held at 100 (> 80);
+    # 40 and 17 are under half of it and start over.
+    assert widths == [20, 20, 24, 320, 320, 320, 160, 160, 40, 20, 20]

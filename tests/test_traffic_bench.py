@@ -214,6 +214,13 @@ def test_quick_replays_every_rate_on_both_engines(quick_run):
             assert f["queued_source"] == "meta_info.queue_time"  # the scheduler's own queue time came back
             assert f["load_samples"] > 0 and f["retracted_counter_delta"] is not None
             assert f"{name:8s} rate {key:>5s}/s" in stdout  # one progress line per rate and engine
+            if name == "kvsieve":
+                # The step log (radix_ext/step_log.py) saw this rate's prefills and decodes.
+                steps = f["steps"]
+                assert steps["modes"]["extend"]["steps"] > 0 and steps["modes"]["extend"]["tokens"] > 0
+                assert steps["modes"]["decode"]["steps"] > 0 and steps["decode_kinds"]
+                # CPU: no graphs, every decode step of compressed rows is eager.
+                assert set(steps["decode_kinds"]) == {"eager"}
 
 
 def test_quick_runs_both_engines_at_equal_kv_memory(quick_run):
@@ -221,6 +228,7 @@ def test_quick_runs_both_engines_at_equal_kv_memory(quick_run):
     kv, split = data["config"]["kv_tokens"], data["memory_split"]
     vanilla, kvsieve = data["engines"]["vanilla"], data["engines"]["kvsieve"]
     assert vanilla["engine_kwargs"]["max_total_tokens"] == kv and vanilla["env"] == {}
+    assert kvsieve["env"]["KVSIEVE_STEP_LOG"].endswith("-steps.jsonl")
     assert kvsieve["engine_kwargs"]["attention_backend"] == "kvsieve"
     assert kvsieve["engine_kwargs"]["max_total_tokens"] == split["pool_tokens"] == int(kv * 0.15)
     shape = data["model_shape"]

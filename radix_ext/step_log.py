@@ -1,0 +1,121 @@
+"""A log of every forward of the compressed path, to find where a serving
+run's time goes: prefills against decodes, decode steps replayed whole,
+replayed per segment, capturing or eager, and how often the region graphs
+start over (bench/traffic.py summarises it per arrival rate).
+
+Off unless KVSIEVE_STEP_LOG names a file. Each forward appends one JSON
+line when its metadata is built, before it runs:
+
+    t        wall clock (s) at the forward's start
+    mode     "decode", "extend" or "other"
+    bs       rows of the batch; tokens: tokens it computes (extend)
+    region   compressed rows in the region (before padding); padded: after
+    width    page-table columns of the step (decode)
+    groups   policy groups of the step; eager_groups: those with no graph
+    counters cumulative region/forward graph counters at the forward's start
+
+A forward's duration is the next line's t minus its own (the scheduler
+starts the next forward once this one's tokens are sampled), and what the
+graphs did in it is the next line's counters minus its own. Gaps longer
+than IDLE_S are idle time, not a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+ENV = "KVSIEVE_STEP_LOG"
+#: A gap between two forwards longer than this is the scheduler waiting for work.
+IDLE_S = 1.0
+COUNTERS = ("captures", "replays", "group_captures", "group_replays", "resets")
+
+
+class StepLog:
+    def __init__(self, path: str):
+        # Line-buffered: a reader sees every finished forward (a write per
+        # forward costs microseconds against steps of milliseconds), and a
+        # scheduler killed at shutdown loses nothing.
+        self.file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> Optional["StepLog"]:
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    def record(self, forward_batch, step, graphs, forward_graphs) -> None:
+        mode = forward_batch.forward_mode
+        line = {"t": round(time.time(), 6),
+                "mode": "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other",
+                "bs": int(forward_batch.batch_size)}
+        if mode.is_extend():
+            lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
+            if lens is not None:
+                line["tokens"] = int(sum(lens))
+        region = step.region if step is not None else None
+        if region is not None:
+            line.update(region=region.real, padded=int(region.pool_rows.shape[0]),
+                        width=int(region.tables.shape[3]), groups=len(region.groups))
+        if graphs is not None:
+            line["counters"] = {name: getattr(graphs, name) for name in COUNTERS}
+            if graphs.current is not None:
+                line["eager_groups"] = sum(entry is None for _, entry in graphs.step_groups)
+            if forward_graphs is not None:
+                line["counters"].update(forward_captures=forward_graphs.captures,
+                                        forward_replays=forward_graphs.replays)
+        self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _kind(line: dict, delta: dict) -> str:
+    """What the graphs did in one decode step of compressed rows."""
+    if delta.get("forward_replays", 0) or delta.get("forward_captures", 0):
+        return "stack_capture" if delta.get("forward_captures", 0) else "stack_replay"
+    if delta.get("captures", 0) or delta.get("group_captures", 0):
+        return "segment_capture"
+    if delta.get("replays", 0):
+        return "segments_partly_eager" if line.get("eager_groups") else "segments_replay"
+    return "eager"
+
+
+def summarize(lines: list[dict], start: float | None = None, end: float | None = None) -> dict:
+    """Where the time of the forwards between wall-clock `start` and `end`
+    went: per mode and, for decode steps with compressed rows, per kind of
+    graph use (seconds, steps, ms per step), with the region graphs' resets
+    and the widths seen."""
+    lines = [x for x in lines if (start is None or x["t"] >= start) and (end is None or x["t"] < end)]
+    out = {"forwards": len(lines), "modes": {}, "decode_kinds": {}, "idle_s": 0.0}
+    widths, regions = set(), []
+    for line, after in zip(lines, lines[1:]):
+        took = after["t"] - line["t"]
+        if took > IDLE_S:
+            out["idle_s"] += took
+            continue
+        mode = out["modes"].setdefault(line["mode"], {"steps": 0, "s": 0.0, "tokens": 0})
+        mode["steps"] += 1
+        mode["s"] += took
+        mode["tokens"] += line.get("tokens", 0)
+        if line["mode"] == "decode" and "region" in line:
+            before, later = line.get("counters", {}), after.get("counters", {})
+            delta = {k: later.get(k, 0) - before.get(k, 0) for k in later}
+            kind = out["decode_kinds"].setdefault(_kind(line, delta), {"steps": 0, "s": 0.0})
+            kind["steps"] += 1
+            kind["s"] += took
+            widths.add(line["width"])
+            regions.append(line["region"])
+    for group in (*out["modes"].values(), *out["decode_kinds"].values()):
+        group["ms_per_step"] = round(1000 * group["s"] / group["steps"], 2) if group["steps"] else None
+        group["s"] = round(group["s"], 3)
+    out["idle_s"] = round(out["idle_s"], 3)
+    if len(lines) >= 2:
+        first, last = lines[0].get("counters", {}), lines[-1].get("counters", {})
+        out["graph_counters"] = {k: last.get(k, 0) - first.get(k, 0) for k in last}
+    out["decode_widths"] = sorted(widths)
+    out["decode_region_rows_mean"] = round(sum(regions) / len(regions), 1) if regions else None
+    return out

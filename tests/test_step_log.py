@@ -1,0 +1,76 @@
+"""radix_ext/step_log.py: the per-forward log's summary splits time by mode
+and by what the graphs did, from consecutive lines' times and counters."""
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from kvsieve.radix_ext import step_log
+
+
+def _line(t, mode, counters=None, region=None, tokens=None, eager_groups=None):
+    line = {"t": t, "mode": mode, "bs": 4}
+    if counters is not None:
+        line["counters"] = counters
+    if region is not None:
+        line.update(region=region, padded=16, width=8, groups=2)
+    if tokens is not None:
+        line["tokens"] = tokens
+    if eager_groups is not None:
+        line["eager_groups"] = eager_groups
+    return line
+
+
+def _counters(captures=0, replays=0, group_captures=0, group_replays=0, resets=0, fc=0, fr=0):
+    return {"captures": captures, "replays": replays, "group_captures": group_captures,
+            "group_replays": group_replays, "resets": resets, "forward_captures": fc, "forward_replays": fr}
+
+
+def test_time_goes_to_modes_and_decode_kinds_by_counter_deltas():
+    lines = [
+        _line(0.0, "extend", _counters(), tokens=100),                  # 0.2 s prefill
+        _line(0.2, "decode", _counters(), region=4),                    # eager: nothing moved
+        _line(0.25, "decode", _counters(), region=4),                   # captures 28 layers
+        _line(0.45, "decode", _counters(captures=28, group_captures=56), region=4),  # replays segments
+        _line(0.47, "decode", _counters(28, 28, 56, 56), region=4, eager_groups=1),  # partly eager
+        _line(0.50, "decode", _counters(28, 56, 56, 84), region=4),     # whole stack replay
+        _line(0.51, "decode", _counters(28, 56, 56, 84, fr=1), region=4),  # then 3 s idle
+        _line(3.51, "extend", _counters(28, 56, 56, 84, fr=1), tokens=50),
+        _line(3.60, "decode", _counters(28, 56, 56, 84, fr=1), region=5),
+    ]
+    out = step_log.summarize(lines)
+    assert out["forwards"] == 9
+    assert out["modes"]["extend"] == {"steps": 2, "s": 0.29, "tokens": 150, "ms_per_step": 145.0}
+    assert out["modes"]["decode"]["steps"] == 5  # the 3 s gap is idle, the last line has no end
+    assert out["idle_s"] == 3.0
+    kinds = out["decode_kinds"]
+    assert kinds["eager"]["steps"] == 1 and kinds["eager"]["ms_per_step"] == 50.0
+    assert kinds["segment_capture"] == {"steps": 1, "s": 0.2, "ms_per_step": 200.0}
+    assert kinds["segments_replay"]["steps"] == 1 and kinds["segments_partly_eager"]["steps"] == 1
+    assert kinds["stack_replay"] == {"steps": 1, "s": 0.01, "ms_per_step": 10.0}
+    assert out["graph_counters"]["captures"] == 28 and out["graph_counters"]["forward_replays"] == 1
+    assert out["decode_widths"] == [8] and out["decode_region_rows_mean"] == 4.0
+
+
+def test_the_window_keeps_forwards_that_start_inside_it():
+    lines = [_line(float(t), "decode", _counters(), region=2) for t in range(10)]
+    out = step_log.summarize(lines, start=3.0, end=7.0)
+    assert out["forwards"] == 4 and out["modes"]["decode"]["steps"] == 3
+
+
+def test_a_record_is_one_json_line_per_forward(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    log = step_log.StepLog(str(path))
+    mode = SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True)
+    fb = SimpleNamespace(forward_mode=mode, batch_size=3, extend_seq_lens_cpu=[5, 6, 7])
+    region = SimpleNamespace(real=2, pool_rows=torch.zeros(16), tables=torch.zeros(16, 2, 2, 12), groups=[1, 2, 3])
+    graphs = SimpleNamespace(captures=1, replays=2, group_captures=3, group_replays=4, resets=5, current=None)
+    log.record(fb, SimpleNamespace(region=region), graphs, None)
+    log.record(fb, None, None, None)
+    first, second = step_log.read(str(path))
+    assert first["mode"] == "extend" and first["tokens"] == 18 and first["bs"] == 3
+    assert (first["region"], first["padded"], first["width"], first["groups"]) == (2, 16, 12, 3)
+    assert first["counters"] == {"captures": 1, "replays": 2, "group_captures": 3, "group_replays": 4, "resets": 5}
+    assert "region" not in second and "counters" not in second
+    assert json.loads(path.read_text().splitlines()[0]) == first
