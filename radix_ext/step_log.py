@@ -16,8 +16,11 @@ line when its metadata is built, before it runs:
 
 A forward's duration is the next line's t minus its own (the scheduler
 starts the next forward once this one's tokens are sampled), and what the
-graphs did in it is the next line's counters minus its own. Gaps longer
-than IDLE_S are idle time, not a step.
+graphs did in it is the next line's counters minus its own. Summaries are
+meant for windows in which the server is busy (a rate's arrivals while
+requests are in flight): a gap while idle would count as a step. Batches
+SGLang replays from its own graphs (no compressed row) log nothing; their
+time goes to the forward before them.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import time
 from typing import Optional
 
 ENV = "KVSIEVE_STEP_LOG"
-#: A gap between two forwards longer than this is the scheduler waiting for work.
-IDLE_S = 1.0
+#: Forwards slower than this are counted apart (a Triton compile, an eager
+#: pass over new shapes, a capture).
+SLOW_S = 1.0
 COUNTERS = ("captures", "replays", "group_captures", "group_replays", "resets")
 
 
@@ -90,29 +94,30 @@ def summarize(lines: list[dict], start: float | None = None, end: float | None =
     graph use (seconds, steps, ms per step), with the region graphs' resets
     and the widths seen."""
     lines = [x for x in lines if (start is None or x["t"] >= start) and (end is None or x["t"] < end)]
-    out = {"forwards": len(lines), "modes": {}, "decode_kinds": {}, "idle_s": 0.0}
+    out = {"forwards": len(lines), "modes": {}, "decode_kinds": {}}
     widths, regions = set(), []
+
+    def add(groups: dict, name: str, took: float) -> dict:
+        group = groups.setdefault(name, {"steps": 0, "s": 0.0, "max_ms": 0.0, "slow": 0})
+        group["steps"] += 1
+        group["s"] += took
+        group["max_ms"] = max(group["max_ms"], round(1000 * took, 1))
+        group["slow"] += took > SLOW_S
+        return group
+
     for line, after in zip(lines, lines[1:]):
         took = after["t"] - line["t"]
-        if took > IDLE_S:
-            out["idle_s"] += took
-            continue
-        mode = out["modes"].setdefault(line["mode"], {"steps": 0, "s": 0.0, "tokens": 0})
-        mode["steps"] += 1
-        mode["s"] += took
-        mode["tokens"] += line.get("tokens", 0)
+        mode = add(out["modes"], line["mode"], took)
+        mode["tokens"] = mode.get("tokens", 0) + line.get("tokens", 0)
         if line["mode"] == "decode" and "region" in line:
             before, later = line.get("counters", {}), after.get("counters", {})
             delta = {k: later.get(k, 0) - before.get(k, 0) for k in later}
-            kind = out["decode_kinds"].setdefault(_kind(line, delta), {"steps": 0, "s": 0.0})
-            kind["steps"] += 1
-            kind["s"] += took
+            add(out["decode_kinds"], _kind(line, delta), took)
             widths.add(line["width"])
             regions.append(line["region"])
     for group in (*out["modes"].values(), *out["decode_kinds"].values()):
         group["ms_per_step"] = round(1000 * group["s"] / group["steps"], 2) if group["steps"] else None
         group["s"] = round(group["s"], 3)
-    out["idle_s"] = round(out["idle_s"], 3)
     if len(lines) >= 2:
         first, last = lines[0].get("counters", {}), lines[-1].get("counters", {})
         out["graph_counters"] = {k: last.get(k, 0) - first.get(k, 0) for k in last}

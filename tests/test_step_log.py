@@ -35,20 +35,21 @@ def test_time_goes_to_modes_and_decode_kinds_by_counter_deltas():
         _line(0.45, "decode", _counters(captures=28, group_captures=56), region=4),  # replays segments
         _line(0.47, "decode", _counters(28, 28, 56, 56), region=4, eager_groups=1),  # partly eager
         _line(0.50, "decode", _counters(28, 56, 56, 84), region=4),     # whole stack replay
-        _line(0.51, "decode", _counters(28, 56, 56, 84, fr=1), region=4),  # then 3 s idle
+        _line(0.51, "decode", _counters(28, 56, 56, 84, fr=1), region=4),  # 3 s: slow (a compile)
         _line(3.51, "extend", _counters(28, 56, 56, 84, fr=1), tokens=50),
         _line(3.60, "decode", _counters(28, 56, 56, 84, fr=1), region=5),
     ]
     out = step_log.summarize(lines)
     assert out["forwards"] == 9
-    assert out["modes"]["extend"] == {"steps": 2, "s": 0.29, "tokens": 150, "ms_per_step": 145.0}
-    assert out["modes"]["decode"]["steps"] == 5  # the 3 s gap is idle, the last line has no end
-    assert out["idle_s"] == 3.0
+    assert out["modes"]["extend"] == {"steps": 2, "s": 0.29, "max_ms": 200.0, "slow": 0, "tokens": 150,
+                                      "ms_per_step": 145.0}
+    assert out["modes"]["decode"]["steps"] == 6 and out["modes"]["decode"]["slow"] == 1  # the last line has no end
+    assert out["modes"]["decode"]["max_ms"] == 3000.0
     kinds = out["decode_kinds"]
-    assert kinds["eager"]["steps"] == 1 and kinds["eager"]["ms_per_step"] == 50.0
-    assert kinds["segment_capture"] == {"steps": 1, "s": 0.2, "ms_per_step": 200.0}
+    assert kinds["eager"]["steps"] == 2 and kinds["eager"]["ms_per_step"] == 1525.0 and kinds["eager"]["slow"] == 1
+    assert kinds["segment_capture"] == {"steps": 1, "s": 0.2, "max_ms": 200.0, "slow": 0, "ms_per_step": 200.0}
     assert kinds["segments_replay"]["steps"] == 1 and kinds["segments_partly_eager"]["steps"] == 1
-    assert kinds["stack_replay"] == {"steps": 1, "s": 0.01, "ms_per_step": 10.0}
+    assert kinds["stack_replay"]["steps"] == 1 and kinds["stack_replay"]["ms_per_step"] == 10.0
     assert out["graph_counters"]["captures"] == 28 and out["graph_counters"]["forward_replays"] == 1
     assert out["decode_widths"] == [8] and out["decode_region_rows_mean"] == 4.0
 
