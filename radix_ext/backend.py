@@ -38,7 +38,7 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import faults, forward_graphs, head_parallel, layer0_probe, metrics, region_graphs, tbq_store
+from . import faults, forward_graphs, head_parallel, layer0_probe, memory_split, metrics, region_graphs, tbq_store
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
@@ -124,7 +124,11 @@ class KvsieveAttnBackend(AttentionBackend):
         decoder = forward_graphs.decoder_of(model_runner.model)
         if (self.graphs is not None and forward_graphs.enabled() and decoder is not None
                 and head_parallel.SHARDS.size == 1):
-            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self.flush_groups)
+            self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self.after_stack)
+            self.graphs.defer_groups = region_graphs.defer_enabled()
+            work = memory_split.workspace  # planned at start where the region was carved (GPU)
+            if work is not None:
+                self.graphs.plan_observations(work.deferred_obs, pool.layer_num, self.pages.config.page_size)
         #: Policy groups padded to bucketed row counts where graphs replay
         #: (step_meta.row_bucket; KVSIEVE_GRAPH_BUCKETS=0 turns it off).
         self.steps.pad_rows = self.graphs is not None and region_graphs.buckets_enabled()
@@ -227,7 +231,12 @@ class KvsieveAttnBackend(AttentionBackend):
             # entry's static metadata. No pool write: compressed rows' slot is
             # SGLang's dummy slot 0 (decode_slots.py), never read.
             q3, k3, v3, o3 = self._shapes(q, k, v, layer)
-            self._decode_region(q3, k3, v3, o3, layer, captured.step)
+            if self.graphs.defer_step:
+                # Attention only; the groups run after the stack (after_stack).
+                obs = self.decode_attend(q3, k3, v3, o3, layer, captured.step)
+                self.graphs.store_layer(self, layer, obs)
+            else:
+                self._decode_region(q3, k3, v3, o3, layer, captured.step)
             return o3.flatten(1)
         step = self.step
         if step is None or layer.is_cross_attention:
@@ -246,8 +255,24 @@ class KvsieveAttnBackend(AttentionBackend):
         if step.region is not None:
             if self.graphs is None or not self.graphs.run(self, layer, q3, k3, v3, o3):
                 self._decode_region(q3, k3, v3, o3, layer, step)
-            self.flush_groups(step, slice(layer.layer_id, layer.layer_id + 1))
+            if self.graphs is None or not self.graphs.deferred():
+                self.flush_groups(step, slice(layer.layer_id, layer.layer_id + 1))
         return o3.flatten(1)
+
+    def after_stack(self, replayed: bool) -> None:
+        """Called by forward_graphs after every run of the decoder stack:
+        where the groups were deferred (region_graphs.RegionGraphs.
+        defer_groups), their passes over every layer, then the TBQ flush of
+        every layer; a stack replayed whole with groups inside it flushes
+        only (its layers flushed nothing)."""
+        step = self.step
+        if step is None or step.region is None or step.extend is not None or self.graphs is None:
+            return
+        if self.graphs.deferred():
+            self.graphs.run_groups(self)
+            self.flush_groups(step)
+        elif replayed:
+            self.flush_groups(step)
 
     def flush_groups(self, step, layers=slice(None)) -> None:
         """TBQ: the rows whose full-precision group is whole move it to

@@ -75,6 +75,7 @@ class ForwardCapture:
     step: object = None  # region_graphs.RegionGraphs.static_step()
     members: tuple = ()  # the region-graph entries whose static tensors `step` holds
     table_version: int = 0  # of the region's page table it reads (region_graphs.RegionGraphs.watch_table)
+    generation: int = 0  # of the observation buffers it writes (region_graphs.ObservationBuffers)
     graph: object = None
     #: {"hidden": the decoder's output}: recorded once under CUDA graphs (the
     #: replay writes into that tensor), set again by each "rerun" replay.
@@ -131,6 +132,7 @@ class ForwardGraphs:
         self.region.on_reset.append(self._drop_all)
         self.captures = 0
         self.replays = 0
+        self.replayed = False  # whether the last stack ran as a replay (after_stack)
 
     def _drop_all(self) -> None:
         """The region graphs start a new pool (RegionGraphs.reset): ours go too."""
@@ -147,25 +149,41 @@ class ForwardGraphs:
         self.active, self.step = region.composition, step
 
     def _forward(self, input_ids, positions, forward_batch, *args, **kwargs):
+        hidden = self._stack(input_ids, positions, forward_batch, *args, **kwargs)
+        if self.after_stack is not None:
+            self.after_stack(self.replayed)
+        return hidden
+
+    def _eager(self, *args, **kwargs):
+        self.replayed = False
+        return self.original(*args, **kwargs)
+
+    def _stack(self, input_ids, positions, forward_batch, *args, **kwargs):
+        """The decoder stack's output: replayed where this step's
+        composition was captured (or is captured now), else run eagerly."""
         composition, self.active = self.active, None  # one forward per step
         step, self.step = self.step, None
         # input_embeds and pp_proxy_tensors (positional or named) are None in a plain decode.
         if (composition is None or any(v is not None for v in (*args, *kwargs.values()))
                 or input_ids.shape[0] != step.region.real):
-            return self.original(input_ids, positions, forward_batch, *args, **kwargs)
+            return self._eager(input_ids, positions, forward_batch, *args, **kwargs)
         rows = input_ids.shape[0]
         members = self.region.members()
         captured = self.cache.get(composition)
         if captured is not None and (not all(a is b for a, b in zip(captured.members, members))
-                                     or captured.table_version != self.region.table_version):
-            captured = None  # its segments' entries or the page table were replaced since
+                                     or captured.table_version != self.region.table_version
+                                     or captured.generation != self.region.observations.generation):
+            # Its segments' entries, the page table or (groups deferred) the
+            # observation buffers it writes were replaced since.
+            captured = None
         if captured is None:
             static = self.region.static_step()
             # The stack runs on the step's rows, padded ones included (their
             # ids and positions are whatever the buffers hold: outputs dropped).
             padded = static.region.pool_rows.shape[0]
             captured = ForwardCapture(input_ids=input_ids.new_zeros(padded), positions=positions.new_zeros(padded),
-                                      step=static, members=members, table_version=self.region.table_version)
+                                      step=static, members=members, table_version=self.region.table_version,
+                                      generation=self.region.observations.generation)
             out = {}
 
             def decoder_pass():
@@ -195,7 +213,11 @@ class ForwardGraphs:
                     # graphs off for good; the region graphs stay.
                     logger.exception("kvsieve: the decoder stack could not be captured; whole-forward graphs off")
                     self.decoder.forward = self.original
-                return self.original(input_ids, positions, forward_batch, *args, **kwargs)
+                    # Nothing calls after_stack from now on: the groups go
+                    # back inside the layers, from this step's on.
+                    self.after_stack = None
+                    self.region.defer_groups = False
+                return self._eager(input_ids, positions, forward_batch, *args, **kwargs)
             captured.output = out
             self.cache[composition] = captured
             while len(self.cache) > region_graphs.MAX_COMPOSITIONS:
@@ -209,10 +231,9 @@ class ForwardGraphs:
         captured.input_ids[:rows].copy_(input_ids)
         captured.positions[:rows].copy_(positions)
         captured.graph.replay()
+        self.replayed = True
         self.replays += 1
         metrics.record_graph_replay("forward")
-        if self.after_stack is not None:
-            self.after_stack(step)
         hidden = captured.output.get("hidden")
         if not isinstance(hidden, torch.Tensor):
             raise RuntimeError(f"kvsieve: the decoder stack returned {type(hidden).__name__}, not hidden states; "

@@ -20,6 +20,11 @@ are carved out of the KV budget before the pool/region split
   forward_graph     the decoder stack's activations at `rows`, replayed
                     from the same pool (forward_graphs.py)
   tbq_staging       a TBQ flush chunk (tbq_store.FLUSH_ROWS table rows)
+  deferred_obs      each layer's observations kept until the policy groups
+                    run after the decoder stack (region_graphs.RegionGraphs.
+                    defer_groups): attention and |p*v| floats of `rows` rows
+                    over KVSIEVE_DEFERRED_OBS_COLUMNS columns; a step wider
+                    than that runs its groups inside the layers instead
 
 Rows: `--max-running-requests` (SGLang's estimate when unset) is lowered at
 start, with a log line saying why, to the most rows whose plan fits in
@@ -46,6 +51,11 @@ DECISION_SCRATCH_FACTOR = 4
 FORWARD_HIDDEN_TENSORS, FORWARD_INTERMEDIATE_TENSORS = 4, 3
 TBQ_BYTES_PER_SLOT = 40  # a flush's [rows, heads, columns x slots] ranks, orders, destinations
 
+#: Kinds of per-slot observations a deferred step keeps per layer (attention, |p*v|), 4 bytes each.
+DEFERRED_OBS_BYTES_PER_SLOT = 8
+DEFERRED_OBS_COLUMNS_ENV = "KVSIEVE_DEFERRED_OBS_COLUMNS"
+#: 80 columns: 1,280 tokens a head, the headline's budget 1024 with its slack.
+DEFAULT_DEFERRED_OBS_COLUMNS = 80
 HEAD_TOKENS_ENV = "KVSIEVE_PLANNED_HEAD_TOKENS"
 DEFAULT_HEAD_TOKENS = 4096
 SHARE_ENV = "KVSIEVE_WORKSPACE_SHARE"
@@ -63,6 +73,26 @@ def planned_head_tokens(context_len: int) -> int:
     if tokens < 16:
         raise ValueError(f"{HEAD_TOKENS_ENV}={raw}: must be at least 16 (tokens one (layer, kv head) may hold)")
     return min(tokens, max(context_len, 16))
+
+
+def deferred_obs_columns() -> int:
+    raw = os.environ.get(DEFERRED_OBS_COLUMNS_ENV, str(DEFAULT_DEFERRED_OBS_COLUMNS))
+    try:
+        columns = int(raw)
+    except ValueError:
+        raise ValueError(f"{DEFERRED_OBS_COLUMNS_ENV}={raw!r}: must be a whole number of page-table columns") from None
+    if columns < 0:
+        raise ValueError(f"{DEFERRED_OBS_COLUMNS_ENV}={raw}: must be >= 0 (0: groups always inside the layers)")
+    return columns
+
+
+def deferred_obs_bytes(rows: int, num_layers: int, kv_heads: int, page_size: int) -> int:
+    """Bytes planned for the observations a step keeps per layer until its
+    groups run after the stack (rows as the buffers round them:
+    region_graphs.deferred_rows)."""
+    from .region_graphs import deferred_rows
+
+    return deferred_rows(rows) * num_layers * kv_heads * deferred_obs_columns() * page_size * DEFERRED_OBS_BYTES_PER_SLOT
 
 
 def workspace_share() -> float:
@@ -93,10 +123,12 @@ class Workspace:
     pass_scratch: int
     forward_graph: int
     tbq_staging: int
+    deferred_obs: int = 0
 
     @property
     def total(self) -> int:
-        return self.page_table + self.decision_scratch + self.pass_scratch + self.forward_graph + self.tbq_staging
+        return (self.page_table + self.decision_scratch + self.pass_scratch + self.forward_graph + self.tbq_staging
+                + self.deferred_obs)
 
     def parts(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("rows", "columns")}
@@ -105,7 +137,8 @@ class Workspace:
         mib = {k: f"{v / 2**20:.0f}" for k, v in self.parts().items()}
         return (f"workspace {self.total / 2**20:.0f} MiB planned for {self.rows} rows (page table {mib['page_table']} "
                 f"at {self.columns} columns, decision scratch {mib['decision_scratch']}, pass scratch "
-                f"{mib['pass_scratch']}, forward graph {mib['forward_graph']}, TBQ staging {mib['tbq_staging']})")
+                f"{mib['pass_scratch']}, forward graph {mib['forward_graph']}, TBQ staging {mib['tbq_staging']}, "
+                f"deferred observations {mib['deferred_obs']})")
 
 
 def slot_bytes(shape: ModelShape) -> int:
@@ -129,8 +162,9 @@ def plan(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -
     forward = rows * (FORWARD_HIDDEN_TENSORS * shape.hidden + FORWARD_INTERMEDIATE_TENSORS * shape.intermediate) \
         * shape.element
     tbq = min(FLUSH_ROWS, rows * shape.num_layers) * shape.kv_heads * columns * shape.page_size * TBQ_BYTES_PER_SLOT
+    deferred = deferred_obs_bytes(rows, shape.num_layers, shape.kv_heads, shape.page_size)
     return Workspace(rows=rows, columns=columns, page_table=table, decision_scratch=decision,
-                     pass_scratch=pass_scratch, forward_graph=forward, tbq_staging=tbq)
+                     pass_scratch=pass_scratch, forward_graph=forward, tbq_staging=tbq, deferred_obs=deferred)
 
 
 def fit_rows(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -> tuple[int, Workspace]:

@@ -81,6 +81,18 @@ RECENT_GROUP_KEYS = 256
 #: steps' launches), the ones that recur pay it back.
 COMPOSITION_WINDOW = 64
 COMPOSITION_REPEATS = 3
+#: _GroupEntry.graphs' key of the graph that runs every layer's pass of a group.
+ALL_LAYERS = "all"
+
+
+def defer_enabled() -> bool:
+    """KVSIEVE_DEFER_GROUPS: "1" (default) runs the policy groups' passes
+    after the decoder stack where whole-stack graphs exist (RegionGraphs.
+    defer_groups); "0" keeps them inside each layer."""
+    value = os.environ.get("KVSIEVE_DEFER_GROUPS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVSIEVE_DEFER_GROUPS must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def mode() -> str:
@@ -165,6 +177,13 @@ def group_signature(group) -> Optional[tuple]:
             tuple(sorted(group.params)), tuple(sorted(group.inputs)), _shapes(group_tensors(group)))
 
 
+def deferred_rows(rows: int) -> int:
+    """Rows of a layer's own observation buffers (deferred groups): a
+    multiple of 64 (the step's rows are padded to 16; the buffer grows by
+    doubling, so a few rows more do not reallocate it every time)."""
+    return max(64, -(-rows // 64) * 64)
+
+
 class ObservationBuffers:
     """Static homes of the attention segment's observations, read by every
     group segment: per kind, a view [rows, ...] of one flat buffer whose row
@@ -175,29 +194,33 @@ class ObservationBuffers:
     read the old one is recaptured."""
 
     def __init__(self):
-        self.flat: dict[str, torch.Tensor] = {}
+        self.flat: dict[tuple, torch.Tensor] = {}
         self.generation = 0
 
-    def view(self, kind: str, like: torch.Tensor) -> torch.Tensor:
-        rows = max(64, 1 << (like.shape[0] - 1).bit_length())
+    def view(self, kind: str, like: torch.Tensor, layer: Optional[int] = None) -> torch.Tensor:
+        """The static view of `kind` for tensors like `like`: one per layer
+        where the groups run after the decoder stack (each layer's
+        observations wait there until then), else one for every layer."""
+        rows = deferred_rows(like.shape[0]) if layer is not None else max(64, 1 << (like.shape[0] - 1).bit_length())
         shape = (rows, *like.shape[1:])
         need = math.prod(shape)
-        flat = self.flat.get(kind)
+        flat = self.flat.get((kind, layer))
         if flat is None or flat.numel() < need or flat.dtype != like.dtype or flat.device != like.device:
             grown = max(need, 2 * flat.numel()) if flat is not None and flat.dtype == like.dtype else need
-            self.flat[kind] = flat = torch.zeros(grown, dtype=like.dtype, device=like.device)
+            self.flat[(kind, layer)] = flat = torch.zeros(grown, dtype=like.dtype, device=like.device)
             self.generation += 1
         return flat[:need].view(shape)
 
-    def store(self, obs):
-        """Copy `obs` into the static views; the Observations of those views."""
+    def store(self, obs, layer: Optional[int] = None):
+        """Copy `obs` into the static views (of `layer`: view); the
+        Observations of those views."""
         from kvsieve.policies import Observations
 
         out = {}
         for kind in ("attention", "pv_norm", "sparsity"):
             t = getattr(obs, kind)
             if t is not None:
-                static = self.view(kind, t)
+                static = self.view(kind, t, layer)
                 static[:t.shape[0]].copy_(t)
                 out[kind] = static
         return Observations(**out)
@@ -225,7 +248,9 @@ class _GroupEntry:
 
     group: object  # a PolicyGroup whose tensors are static copies
     tensors: list  # group_tensors(group)
-    graphs: dict = field(default_factory=dict)  # layer id -> CUDAGraph
+    #: layer id -> CUDAGraph; ALL_LAYERS -> one graph of every layer's pass
+    #: (groups run after the decoder stack: RegionGraphs.defer_groups)
+    graphs: dict = field(default_factory=dict)
     generation: int = 0  # ObservationBuffers.generation its graphs read
     table_version: int = 0  # RegionGraphs.table_version when they were captured
     eager: bool = False  # its capture failed: it runs eagerly from then on
@@ -234,6 +259,24 @@ class _GroupEntry:
 class RegionGraphs:
     def __init__(self, rerun: bool = False):
         self.rerun = rerun
+        #: Run the policy groups' passes after the decoder stack, every layer
+        #: of a group in one graph (set by the backend where whole-stack
+        #: graphs call it back: forward_graphs.py). No layer of a step reads
+        #: an earlier layer's region, and groups read nothing of each other,
+        #: so the order (each layer's attention, then each group's layers)
+        #: gives what the per-layer order gives; but the decoder stack is
+        #: then keyed by the attention's shapes alone, which recur whatever
+        #: the batch's composition, and a step launches one graph per group
+        #: instead of one per group and layer. Costs each layer's
+        #: observations kept until the groups run (ObservationBuffers per layer).
+        self.defer_groups = False
+        #: Whether this step defers: its layers' observations fit the planned
+        #: bytes (memory_plan.deferred_obs_bytes; None: no bound, CPU).
+        self.defer_step = False
+        self.observation_budget: Optional[int] = None
+        #: The model's attention layers by id, as they pass (run_groups calls
+        #: the groups' passes with them after the stack).
+        self.layers: dict = {}
         self.cache: "OrderedDict[tuple, _Entry]" = OrderedDict()
         self.groups: "OrderedDict[tuple, _GroupEntry]" = OrderedDict()
         self.observations = ObservationBuffers()
@@ -286,6 +329,7 @@ class RegionGraphs:
         `table`: the region's page table (watch_table)."""
         self.watch_table(table)
         self.current, self.step_groups, self.composition = None, [], None
+        self.defer_step = self.defer_groups and self._deferred_obs_fit(step)
         key = signature(step, needs_keys)
         if key is None or key in self.eager_keys:
             return
@@ -320,7 +364,8 @@ class RegionGraphs:
                 gkey = (gkey, ordinal[gkey])
             group_keys.append(gkey)
             self.step_groups.append((group, self._group_entry(group, gkey)))
-        self.composition = (key, tuple(group_keys))
+        # Deferred groups run after the stack: the stack depends on the attention's shapes only.
+        self.composition = (key,) if self.defer_step else (key, tuple(group_keys))
         self.compositions.append(self.composition)
         self.composition_counts[self.composition] += 1
         if len(self.compositions) > COMPOSITION_WINDOW:
@@ -329,6 +374,24 @@ class RegionGraphs:
             if not self.composition_counts[old]:
                 del self.composition_counts[old]
         self.composition_seen = self.composition_counts[self.composition] >= COMPOSITION_REPEATS
+
+    def plan_observations(self, budget: int, num_layers: int, page_size: int) -> None:
+        """Bound the bytes deferred steps keep in observations (memory_plan.
+        deferred_obs_bytes, carved from the KV budget at start)."""
+        self.observation_budget, self.num_layers, self.page_size = budget, num_layers, page_size
+
+    def _deferred_obs_fit(self, step) -> bool:
+        """Whether every layer's observations of this step fit the planned
+        bytes: a step with rows wider than planned runs its groups inside
+        the layers (memory is planned at start, never found short mid-run)."""
+        if self.observation_budget is None:
+            return True
+        from kvsieve.policies import Need
+
+        rows = step.region
+        R, _, H, M = rows.tables.shape
+        kinds = bool(rows.needs & Need.ATTENTION) + bool(rows.needs & Need.PV_NORM)
+        return deferred_rows(R) * self.num_layers * H * M * self.page_size * 4 * kinds <= self.observation_budget
 
     def _group_entry(self, group, gkey) -> Optional[_GroupEntry]:
         if gkey is None:
@@ -380,7 +443,10 @@ class RegionGraphs:
 
     def members(self) -> tuple:
         """The entries this step's segments use (a whole-stack capture reads
-        their static tensors, so it is valid only while they are these)."""
+        their static tensors, so it is valid only while they are these):
+        the attention's alone where groups run after the stack."""
+        if self.defer_step:
+            return (self.current,)
         return (self.current, *(g for _, g in self.step_groups))
 
     def static_step(self):
@@ -389,13 +455,13 @@ class RegionGraphs:
         group has none (it runs eagerly). Forward graphs capture the whole
         decoder stack on it."""
         entry = self.current
-        if entry is None or any(g is None for _, g in self.step_groups):
+        if entry is None or (not self.defer_step and any(g is None for _, g in self.step_groups)):
             return None
         import copy
 
         step = copy.copy(entry.step)
         step.region = copy.copy(entry.step.region)
-        step.region.groups = [g.group for _, g in self.step_groups]
+        step.region.groups = [] if self.defer_step else [g.group for _, g in self.step_groups]
         return step
 
     def fully_captured(self, num_layers: int) -> bool:
@@ -404,6 +470,8 @@ class RegionGraphs:
         if (entry is None or entry.failed or len(entry.graphs) < num_layers
                 or entry.generation != self.observations.generation):
             return False
+        if self.defer_step:
+            return True  # the groups run after the stack, replayed or not
         return all(g is not None and len(g.graphs) >= num_layers and not g.eager
                    and g.generation == self.observations.generation and g.table_version == self.table_version
                    for _, g in self.step_groups)
@@ -456,10 +524,66 @@ class RegionGraphs:
         entry.k.copy_(k3[idx])
         entry.v.copy_(v3[idx])
         obs = self._attend(backend, entry, layer)
-        for group, gentry in self.step_groups:
-            self._group(backend, group, gentry, layer, obs)
+        if self.defer_step:
+            self.layers[layer.layer_id] = layer
+        else:
+            for group, gentry in self.step_groups:
+                self._group(backend, group, gentry, layer, obs)
         o3[idx[:self.real]] = entry.o[:self.real]  # padded rows' outputs stay behind
         return True
+
+    def deferred(self) -> bool:
+        """Whether this step's groups wait for run_groups (after the stack)."""
+        return self.defer_step and self.current is not None
+
+    def store_layer(self, backend, layer, obs) -> None:
+        """A whole-stack capture's attention pass of `layer`: its
+        observations into the layer's static buffers, where the groups read
+        them after each replay (the attention segments' entry.obs)."""
+        self.layers[layer.layer_id] = layer
+        self.observations.store(obs, layer.layer_id)
+
+    def run_groups(self, backend) -> None:
+        """After the decoder stack: every group's pass over every layer, in
+        layer order, each group replayed as one graph where captured. The
+        observations are the attention entry's static ones, written by the
+        layers' segments or by the replayed stack."""
+        entry = self.current
+        ids = sorted(entry.obs)
+        layers, obs = [self.layers[lid] for lid in ids], [entry.obs[lid] for lid in ids]
+        for group, gentry in self.step_groups:
+            self._group_layers(backend, group, gentry, layers, obs)
+
+    def _group_layers(self, backend, group, gentry: Optional[_GroupEntry], layers, obs) -> None:
+        if gentry is None or gentry.eager:
+            for layer, layer_obs in zip(layers, obs):
+                backend.decode_group(group, layer, layer_obs)  # eagerly, on the live group
+            return
+        self.watch_table(backend.pages.table)
+        if gentry.generation != self.observations.generation or gentry.table_version != self.table_version:
+            gentry.graphs.clear()  # they read observation buffers or a page table that have grown since
+            gentry.generation, gentry.table_version = self.observations.generation, self.table_version
+        graph = gentry.graphs.get(ALL_LAYERS)
+        if graph is not None:
+            graph.replay()
+            self.group_replays += len(layers)
+            return
+
+        def group_pass():
+            for layer, layer_obs in zip(layers, obs):
+                backend.decode_group(gentry.group, layer, layer_obs)
+
+        faults_before = faults.count
+        group_pass()
+        if faults.count != faults_before:  # a pass in which the group failed is not one to replay
+            return
+        captured = self._try_capture(group_pass)
+        if captured is None:
+            gentry.eager = True
+            gentry.graphs.clear()
+        else:
+            gentry.graphs[ALL_LAYERS] = captured
+            self.group_captures += len(layers)
 
     def _attend(self, backend, entry: _Entry, layer):
         """The attention segment of this layer: replayed, or run eagerly on
@@ -476,7 +600,7 @@ class RegionGraphs:
 
         def attend_pass():
             obs = backend.decode_attend(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
-            entry.obs[lid] = self.observations.store(obs)
+            entry.obs[lid] = self.observations.store(obs, lid if self.defer_step else None)
 
         # This step for real, eagerly, on the static tensors (the static
         # observation buffers are sized here, outside any capture); then

@@ -80,6 +80,8 @@ def test_the_headline_workspace_is_planned_part_by_part():
     assert work.page_table == 640 * 28 * 4 * work.columns * 8
     assert work.decision_scratch == 4 * 128 * 2**20  # independent of the rows
     assert work.forward_graph == 640 * (4 * 3584 + 3 * 18944) * 2
+    # Each layer's attention and |p*v| (4 bytes each) of 640 rows over 80 columns of 16 slots.
+    assert work.deferred_obs == 640 * 28 * 4 * 80 * 16 * 8
     assert 0 < work.total < 2 * 2**30
     assert memory_plan.plan(shape, 1280, int(45.1e9), 0.5).decision_scratch == work.decision_scratch
 

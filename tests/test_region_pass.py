@@ -120,3 +120,45 @@ def test_a_mixed_batch_replays_its_segments_equal_to_the_eager_pass():
     assert graphs.replays > TINY.layers * STEPS * 3 // 4
     assert graphs.group_replays > TINY.layers * STEPS * len(GRAPH_SAFE) // 2
     assert len(graphs.cache) <= 2 and len(graphs.groups) >= len(GRAPH_SAFE)
+
+
+def test_a_mixed_batch_with_groups_after_the_stack_equals_the_eager_pass():
+    # RegionGraphs.defer_groups (on where whole-stack graphs exist): each
+    # layer runs its attention segment only; after the last layer each group
+    # runs every layer's pass, replayed as one graph. Same outputs and final
+    # region state as the eager per-layer pass, bit for bit.
+    mixed = "+".join(GRAPH_SAFE)
+    args = dict(rows=2 * len(GRAPH_SAFE), prompt=PROMPT, steps=STEPS, shapes=TINY, budget=BUDGET, device="cpu",
+                dtype=torch.float32)
+    eager = run_steps(mixed, **args)
+    graphs = RerunGraphs()
+    graphs.defer_groups = True
+    graphed = run_steps(mixed, **args, graphs=graphs)
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+    # Every group's layers run as one "graph": replays count layers, captures too.
+    assert graphs.group_replays > TINY.layers * STEPS * len(GRAPH_SAFE) // 2
+    assert all(set(g.graphs) <= {"all"} for g in graphs.groups.values())
+    assert graphs.composition == (graphs.composition[0],)  # the stack's key: the attention's shapes alone
+
+
+def test_a_step_whose_observations_exceed_the_plan_keeps_its_groups_inside_the_layers():
+    # memory_plan.deferred_obs_bytes bounds what deferred steps keep: a step
+    # over it runs each group in its layer (never found short mid-run).
+    args = dict(rows=3, prompt=PROMPT, steps=8, shapes=TINY, budget=BUDGET, device="cpu", dtype=torch.float32)
+    eager = run_steps("h2o", **args)
+    graphs = RerunGraphs()
+    graphs.defer_groups = True
+    graphs.plan_observations(budget=1, num_layers=TINY.layers, page_size=16)
+    graphed = run_steps("h2o", **args, graphs=graphs)
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    assert not graphs.defer_step and graphs.group_replays > 0
+    assert all("all" not in g.graphs for g in graphs.groups.values())
+    # With room for them, the same steps defer.
+    graphs = RerunGraphs()
+    graphs.defer_groups = True
+    graphs.plan_observations(budget=2**30, num_layers=TINY.layers, page_size=16)
+    graphed = run_steps("h2o", **args, graphs=graphs)
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    assert graphs.defer_step and any("all" in g.graphs for g in graphs.groups.values())

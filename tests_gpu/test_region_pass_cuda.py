@@ -59,6 +59,22 @@ def test_a_mixed_batch_replays_its_segments_equal_to_the_eager_pass():
         assert torch.equal(a, b)
 
 
+def test_a_mixed_batch_with_groups_after_the_stack_replays_equal_to_the_eager_pass():
+    # RegionGraphs.defer_groups: attention per layer, then each group's
+    # every layer as one captured graph (what a decode step does where the
+    # decoder stack is captured whole).
+    args = dict(rows=ROWS, prompt=PROMPT, steps=STEPS, shapes=QWEN_7B, budget=BUDGET, device="cuda")
+    mixed = "+".join(GRAPH_SAFE)
+    eager = run_steps(mixed, **args)
+    graphs = RegionGraphs()
+    graphs.defer_groups = True
+    graphed = run_steps(mixed, **args, graphs=graphs)
+    assert graphs.replays > QWEN_7B.layers * STEPS // 2 and graphs.group_replays > QWEN_7B.layers * STEPS
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+
+
 def test_skipkv_graph_replay_equals_the_eager_pass_with_redundant_sentences(monkeypatch):
     monkeypatch.setattr(get_policy("skipkv"), "step_inputs", redundant_sentences(PROMPT))
     _assert_replay_equals_eager("skipkv")

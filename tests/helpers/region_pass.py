@@ -67,7 +67,7 @@ class RegionPass:
     through every layer and returns the outputs [layers, rows, q_heads, dim]."""
 
     backend: KvsieveAttnBackend
-    layer: SimpleNamespace
+    layers: list
     rids: list[str]
     shapes: Shapes
     prompt: int
@@ -88,16 +88,18 @@ class RegionPass:
     def run_batch(self, forward_batch, q3, k3, v3) -> torch.Tensor:
         """One step of a batch made by batch(s): metadata once, then every layer."""
         backend = self.backend
-        step = self.last_step = backend.steps.build(forward_batch)
+        step = self.last_step = backend.step = backend.steps.build(forward_batch)
         if backend.graphs is not None:
             backend.graphs.begin_step(step, needs_keys=False)
         outputs = []
         for layer_id in range(self.shapes.layers):
-            self.layer.layer_id = layer_id
+            layer = self.layers[layer_id]  # one object per layer, as SGLang's attention modules
             o3 = torch.empty_like(q3)
-            if backend.graphs is None or not backend.graphs.run(backend, self.layer, q3, k3, v3, o3):
-                backend._decode_region(q3, k3, v3, o3, self.layer, step)
+            if backend.graphs is None or not backend.graphs.run(backend, layer, q3, k3, v3, o3):
+                backend._decode_region(q3, k3, v3, o3, layer, step)
             outputs.append(o3)
+        if backend.graphs is not None and backend.graphs.deferred():
+            backend.after_stack(replayed=False)  # the groups' passes over every layer (forward_graphs' hook)
         if self.token_ids:  # one id per row after the step: its position mod 50
             RUNTIME.observe_tokens(forward_batch, forward_batch.positions % 50, None)
         return torch.stack(outputs)
@@ -146,9 +148,9 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
         req = RUNTIME.requests[rid]
         RUNTIME.reserve(req, 0, steps + 1)
         req.prefix_len = prompt  # the prompt is in the token pool (compress_prompt off)
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=shapes.q_heads, tp_k_head_num=H, qk_head_dim=shapes.head_dim,
-                            v_head_dim=shapes.head_dim, scaling=shapes.head_dim ** -0.5)
-    return RegionPass(backend=backend, layer=layer, rids=rids, shapes=shapes, prompt=prompt, device=device,
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=shapes.q_heads, tp_k_head_num=H, qk_head_dim=shapes.head_dim,
+                              v_head_dim=shapes.head_dim, scaling=shapes.head_dim ** -0.5) for i in range(L)]
+    return RegionPass(backend=backend, layers=layers, rids=rids, shapes=shapes, prompt=prompt, device=device,
                       token_ids=token_ids)
 
 
