@@ -182,12 +182,14 @@ def roofline(mach: dict, batch: int, kv_tokens_read: float) -> dict:
 
 # ----- one timed workload -------------------------------------------------
 async def stream_one(engine, ids, params, record):
-    trace = []
-    last = None
+    # The record goes in first and grows in place: a run cut by timed_run's
+    # timeout still shows what every request had generated.
+    entry = {"trace": [], "meta": {}, "done": False}
+    record.append(entry)
     async for chunk in await engine.async_generate(input_ids=ids, sampling_params=params, stream=True):
-        trace.append((time.perf_counter(), chunk["meta_info"]["completion_tokens"]))
-        last = chunk
-    record.append({"trace": trace, "meta": last["meta_info"]})
+        entry["trace"].append((time.perf_counter(), chunk["meta_info"]["completion_tokens"]))
+        entry["meta"] = chunk["meta_info"]
+    entry["done"] = True
 
 
 def tokens_at(trace, t) -> float:
@@ -222,14 +224,27 @@ def window(records, threshold: int) -> dict:
             "tpot_p50_ms": pick(0.5), "tpot_p99_ms": pick(0.99)}
 
 
-def timed_run(engine, ids, params, threshold: int) -> dict:
+def timed_run(engine, ids, params, threshold: int, timeout: float | None = None) -> dict:
     """params: one sampling-params dict for every request, or a list of one
-    per request (a mixed batch)."""
+    per request (a mixed batch). `timeout` (s): past it every request is
+    aborted and the entry says `timed_out` with what was generated until then."""
     per_request = params if isinstance(params, list) else [params] * len(ids)
     records: list = []
     started = time.perf_counter()
-    engine.loop.run_until_complete(asyncio.gather(*(stream_one(engine, i, p, records)
-                                                    for i, p in zip(ids, per_request))))
+    runs = asyncio.gather(*(stream_one(engine, i, p, records) for i, p in zip(ids, per_request)))
+    if timeout is None:
+        engine.loop.run_until_complete(runs)
+    else:
+        try:
+            engine.loop.run_until_complete(asyncio.wait_for(runs, timeout))
+        except asyncio.TimeoutError:
+            cut = time.perf_counter() - started
+            engine.tokenizer_manager.abort_request(abort_all=True)
+            tokens = sum(r["trace"][-1][1] for r in records if r["trace"])
+            return {"error": f"timed out after {timeout:.0f} s", "timed_out": True, "requests": len(ids),
+                    "finished": sum(r["done"] for r in records), "seconds": round(cut, 1),
+                    "tokens_at_timeout": tokens, "tokens_per_s_until_timeout": round(tokens / cut, 1),
+                    "min_tokens_at_timeout": min((r["trace"][-1][1] if r["trace"] else 0 for r in records), default=0)}
     result = window(records, threshold)
     seconds = time.perf_counter() - started
     # The second method: every request generated to its end, wall clock

@@ -41,6 +41,24 @@ region at once), all three recorded. Then back to back in that engine:
    policies dealt round robin;
 3. the first workload again (new prompts): what the others left behind.
 
+`--tp N` (issue #31): the same engine with N tensor-parallel ranks
+(tp_size), at the same total KV memory: the token pool holds the same
+tokens (each rank its share of the heads) and KVSIEVE_REGION_PAGES, which is
+per rank, is the split's region pages / N (bench/gpu_headline.py's --tp does
+the same); peak GPU memory is then the largest of the N GPUs. `--headline
+streaming,thinkv` adds, in the same engine and before the gate's workloads,
+bench/gpu_headline.py's steady-window points (its timed_run): per policy,
+--headline-rows requests (default: the gate's rows; at most what the region
+holds at the budget) of 64-token prompts decoding --headline-budget (1024) +
+2 x --headline-tail (64) tokens, greedy, the window opening once every
+request holds the budget; each run cut after --headline-timeout s (120;
+then `timed_out` with the tokens generated until then). Recorded under
+`headline` (tokens/s, TPOT p50/p99, rows). TP 2 against TP 1 on one host,
+one device call (see bench/MULTI_GPU_CALLS.md):
+
+    python3 bench/gpu_smoke.py --tp 2 --rows 256 --headline streaming,thinkv --headline-rows 128 --deadline 420 --out $OUT/smoke-tp2.json
+    python3 bench/gpu_smoke.py --tp 1 --rows 256 --headline streaming,thinkv --headline-rows 128 --deadline 420 --out $OUT/smoke-tp1.json
+
 Per workload: rows, generated tokens, wall seconds, tokens/s (completed
 tokens / wall), errors (requests that raised or ended with an abort finish
 reason, and a workload that timed out: count and first messages), requests
@@ -121,6 +139,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="small defaults for a CPU logic check: --device cpu --model tiny --rows 4 --budget 8 "
                          "--tokens 24 --kv-tokens 16384 (explicit options win)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (tp_size); the region's pages are "
+                                                      "split over them")
+    ap.add_argument("--headline", default="", help="comma list of policies: gpu_headline.py's steady-window "
+                                                   "points in this engine before the gate (e.g. streaming,thinkv)")
+    ap.add_argument("--headline-budget", type=int, default=None, help="default 1024 (16 with --quick)")
+    ap.add_argument("--headline-tail", type=int, default=None, help="default 64 (8 with --quick)")
+    ap.add_argument("--headline-rows", type=int, default=None, help="default: the gate's rows")
+    ap.add_argument("--headline-timeout", type=float, default=None, help="per point, s (default 120; 300 on cpu)")
     args = ap.parse_args(argv)
     quick = args.quick
     if args.device is None:
@@ -139,6 +165,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.workload_timeout = 300.0 if args.device == "cpu" else 90.0
     if args.deadline is None:
         args.deadline = 450.0
+    if args.headline_budget is None:
+        args.headline_budget = 16 if quick else 1024
+    if args.headline_tail is None:
+        args.headline_tail = 8 if quick else 64
+    if args.headline_timeout is None:
+        args.headline_timeout = 300.0 if args.device == "cpu" else 120.0
+    args.headline = [p for p in args.headline.split(",") if p]
+    if args.tp < 1:
+        ap.error("--tp: at least 1")
     return args
 
 
@@ -291,21 +326,22 @@ class Monitor(threading.Thread):
     """Polls the GPU's memory.used (nvidia-smi) and the region's used pages
     while a workload runs; keeps the peaks."""
 
-    def __init__(self, gpu: bool):
+    def __init__(self, gpu: bool, ranks: int = 1):
         super().__init__(daemon=True)
         self.gpu = gpu
         self.stop_event = threading.Event()
         self.peak_mib: int | None = None
         self.peak_region_used: float | None = None
         self.gpu_error: str | None = None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        self.index = visible if visible.isdigit() else "0"
+        # The first `ranks` visible GPUs (tensor parallelism): the peak is the largest of them.
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip().isdigit()]
+        self.index = ",".join(visible[:ranks] if len(visible) >= ranks else map(str, range(ranks)))
 
     def gpu_used_mib(self) -> int | None:
         try:
             out = subprocess.run(["nvidia-smi", "-i", self.index, "--query-gpu=memory.used",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
-            return int(out.stdout.strip().splitlines()[0])
+            return max(int(line) for line in out.stdout.strip().splitlines())
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
             self.gpu_error = repr(exc)
             return None
@@ -467,6 +503,43 @@ def region_after(timeout: float = 15) -> dict:
     return gauges
 
 
+# ----- the headline's points (--headline) -----
+
+def headline_points(engine, args, split: dict, shape: dict, engine_rows, gate_rows: int, results: dict, save,
+                    t0: float) -> None:
+    """bench/gpu_headline.py's kvsieve points (steady window once every request
+    holds the budget) for args.headline, in this engine."""
+    import gpu_headline as gh
+
+    gh.VOCAB_IDS = (min(1000, shape["vocab"] // 4), min(100000, shape["vocab"]))
+    budget, tail = args.headline_budget, args.headline_tail
+    # gpu_headline's row count at a budget: the rows whose ceilings the region holds at once.
+    ceiling = -(-(budget + gh.STREAM_INTERVAL + 1) // PAGE) * PAGE
+    fit = split["region_tokens_per_layer_head"] // ceiling
+    rows = min(r for r in (args.headline_rows or gate_rows, fit, engine_rows) if r)
+    for name in args.headline:
+        entry = {"policy": name, "budget": budget, "rows": rows, "region_fit_rows": fit, "tp": args.tp,
+                 "generated_tokens": budget + 2 * tail, "temperature": 0.0, "method": "gpu_headline.timed_run"}
+        left = args.deadline - (time.monotonic() - t0) if args.deadline else None
+        if left is not None and left < 30:
+            entry.update(error=f"skipped: past --deadline {args.deadline:.0f} s")
+        else:
+            timeout = args.headline_timeout if left is None else max(10.0, min(args.headline_timeout, left - 15))
+            try:
+                entry.update(gh.timed_run(engine, gh.prompts(rows, gh.SHORT_PROMPT, 7),
+                                          gh.params(budget + 2 * tail, {"name": name, "budget": budget}), budget,
+                                          timeout=timeout))
+            except Exception as exc:  # noqa: BLE001 - recorded; the gate runs next
+                entry.update(error=f"{type(exc).__name__}: {exc}"[:400])
+            entry["region_after"] = region_after()
+            entry["cache_flushed"] = flush_cache(engine)
+        results["headline"].append(entry)
+        save()
+        print(f"headline {name:12s} TP {args.tp} rows {rows:4d} budget {budget}: {entry.get('tokens_per_s')} tok/s "
+              f"TPOT p50/p99 {entry.get('tpot_p50_ms')}/{entry.get('tpot_p99_ms')} ms ({entry.get('seconds')} s)"
+              + (f" error: {entry['error']}" if entry.get("error") else ""), flush=True)
+
+
 # ----- main -----
 
 def start_engine(engine_kwargs: dict, results: dict, save) -> object | None:
@@ -523,19 +596,22 @@ def main(argv: list[str]) -> int:
 
     from kvsieve.service.engine import prepare_process_environment
 
-    prepare_process_environment(args.device)  # SGLANG_USE_CPU_ENGINE on cpu; prometheus' multiprocess dir
+    prepare_process_environment(args.device, args.tp)  # SGLANG_USE_CPU_ENGINE (and rank cores) on cpu; prometheus
     from kvsieve.policies import policy_names
 
     model = model_dir(args.model)
     shape = model_shape(model)
     names = args.policies.split(",") if args.policies else policy_names()
-    unknown = sorted(set(names) - set(policy_names()))
+    unknown = sorted(set(names + args.headline) - set(policy_names()))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; registered: {','.join(policy_names())}")
     specs = policy_specs(names, args.budget)
     split = memory_split(args, shape)
-    os.environ["KVSIEVE_REGION_PAGES"] = str(split["region_pages"])
-    os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(split["quantized_pages"])
+    # Per rank: each holds its share of the kv heads' pages (gpu_headline.py's --tp).
+    split.update(tp=args.tp, region_pages_per_rank=split["region_pages"] // args.tp,
+                 quantized_pages_per_rank=split["quantized_pages"] // args.tp)
+    os.environ["KVSIEVE_REGION_PAGES"] = str(split["region_pages_per_rank"])
+    os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(split["quantized_pages_per_rank"])
 
     engine_kwargs = dict(model_path=str(model), load_format="dummy", skip_tokenizer_init=True,
                          attention_backend="kvsieve", sampling_backend="pytorch", log_level="warning",
@@ -545,6 +621,12 @@ def main(argv: list[str]) -> int:
         engine_kwargs.update(cuda_graph_max_bs_decode=args.cuda_graph_max_bs, disable_prefill_cuda_graph=True)
     else:
         engine_kwargs.update(device="cpu", disable_cuda_graph=True)
+    if args.tp > 1:
+        engine_kwargs["tp_size"] = args.tp
+    if args.headline:  # the headline's chunk interval (its windows are read from streamed chunks)
+        from gpu_headline import STREAM_INTERVAL
+
+        engine_kwargs["stream_interval"] = STREAM_INTERVAL
 
     results = {
         "kind": "gpu-smoke", **commit_of(args.commit),
@@ -558,7 +640,7 @@ def main(argv: list[str]) -> int:
                      "workload_timeout_s": args.workload_timeout, "deadline_s": args.deadline or None,
                      "gpu_memory": "nvidia-smi memory.used of the first visible GPU (every process on it), MiB, "
                                    "polled every 0.25 s during each workload"},
-        "policies": specs, "rows": {"requested": args.rows}, "workloads": [], "ok": False,
+        "tp": args.tp, "policies": specs, "rows": {"requested": args.rows}, "workloads": [], "ok": False,
         "stage": "starting the engine",
     }
     state = {"current": None, "engine_alive": True}
@@ -597,10 +679,13 @@ def main(argv: list[str]) -> int:
         results["rows"]["used"] = rows
         results["region_at_start"] = region_gauges()
         if args.device == "cuda":
-            results["gpu_memory_used_after_start_mib"] = Monitor(gpu=True).gpu_used_mib()
+            results["gpu_memory_used_after_start_mib"] = Monitor(gpu=True, ranks=args.tp).gpu_used_mib()
         print(f"engine up in {results['engine_start_s']} s; rows {json.dumps(results['rows'])}", flush=True)
         save()
 
+        if args.headline:
+            results["headline"] = []
+            headline_points(engine, args, split, shape, engine_rows, rows, results, save, t0)
         runnable = [n for n in names if "invalid" not in specs[n]]
         plans = [(f"solo:{n}", [n], [(n, specs[n]["kv_policy"])] * rows) for n in runnable]
         if runnable and not args.solo_only:
@@ -628,7 +713,7 @@ def main(argv: list[str]) -> int:
             timeout = args.workload_timeout if left is None else max(10.0, min(args.workload_timeout, left - 15))
             state["current"] = entry
             save()
-            monitor = Monitor(gpu=args.device == "cuda")
+            monitor = Monitor(gpu=args.device == "cuda", ranks=args.tp)
             monitor.start()
             try:
                 entry.update(run_workload(engine, plan, args, shape["vocab"], seed=1000 + index, timeout=timeout))
@@ -668,6 +753,8 @@ def main(argv: list[str]) -> int:
         if first.get("tokens_per_s") and again.get("tokens_per_s"):
             results["again_vs_first_tokens_per_s"] = round(again["tokens_per_s"] / first["tokens_per_s"], 3)
         failed = [w["name"] for w in results["workloads"] if w.get("errors") or w.get("status") != "done"]
+        if args.headline:  # a measurement, not the gate: its own flag
+            results["headline_ok"] = all(not h.get("error") for h in results.get("headline", []))
         results["failed_workloads"] = failed
         results["engine_alive_at_end"] = state["engine_alive"]
         results["ok"] = not failed and state["engine_alive"]

@@ -1,6 +1,7 @@
 """Tensor parallelism 2 against TP 1, through real `kvsieve serve` engines:
 
     python bench/tp_gpu_check.py OUT_DIR [--models tiny,small] [--device cuda|cpu] [--cases full,h2o-8,...]
+        [--parallel 1]
 
 For each model (built here into /tmp, random weights, fp32, no downloads):
 `tiny` is tests/tiny_models.py's Llama (2 kv heads: 1 per rank); `small` is
@@ -23,6 +24,16 @@ all-reduce's float order then does not flip greedy choices. Writes
 OUT_DIR/gpu-tp.json (after every server) and OUT_DIR/logs/; exits 0 when a
 check fails (the JSON's "ok" says so), non-zero only on a crash. `--device`
 defaults to cuda when a GPU is visible, else cpu (a smoke test).
+
+`--parallel 1` (issue #31: the whole check inside one 10-minute device call
+beside other work) runs every server at once instead of one at a time:
+each model's TP 1 and TP 2 servers side by side, and the models side by
+side; on CUDA model i's TP 1 server gets GPU i mod (GPUs) (CUDA_VISIBLE_DEVICES)
+and every TP 2 server both. The checks are the same (each server's greedy
+tokens do not depend on what else runs on its GPU: fp32, same batch shapes);
+start and case seconds are then not comparable between servers, and the
+JSON says `parallel: true`. On two H100s the sequential check took about 8
+minutes (tiny ~260 s, small ~200 s, mostly server starts).
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -144,7 +155,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, tp: int, device: str, log_dir: Path):
+    def __init__(self, model: Path, tp: int, device: str, log_dir: Path, gpu: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{model.name}-tp{tp}.log"
@@ -152,9 +163,10 @@ class Server:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(extra),
                "--model", str(model), "--device", device, "--dtype", "float32", "--tp-size", str(tp),
                "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--port", str(self.port), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                          "KVSIEVE_TP_NATIVE_OPS": "1" if device == "cuda" else "0"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSIEVE_TP_NATIVE_OPS": "1" if device == "cuda" else "0"}
+        if gpu is not None and device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env)
 
     def wait_up(self, timeout: float = 600) -> None:
         import httpx
@@ -222,10 +234,10 @@ class Server:
 
 # ----- runs -----
 
-def run_engine(model: Path, tp: int, device: str, cases: list, log_dir: Path) -> dict:
+def run_engine(model: Path, tp: int, device: str, cases: list, log_dir: Path, gpu: int | None = None) -> dict:
     """Start one server, run every case alone then all at once, stop it."""
     started = time.monotonic()
-    server = Server(model, tp, device, log_dir)
+    server = Server(model, tp, device, log_dir, gpu)
     try:
         server.wait_up()
         result = {"start_s": round(time.monotonic() - started, 1), "solo": {}, "mixed": {}}
@@ -305,10 +317,17 @@ def engine_checks_ok(run: dict) -> bool:
     return run["region_idle"] and run["evicted_counted_once"] and run["flushed"]
 
 
-def check_model(name: str, device: str, cases: list, log_dir: Path) -> dict:
+def check_model(name: str, device: str, cases: list, log_dir: Path, parallel: bool = False,
+                gpu: int | None = None) -> dict:
     model = build_model(name)
-    one = run_engine(model, 1, device, cases, log_dir)
-    two = run_engine(model, 2, device, cases, log_dir)
+    if parallel:  # TP 1 (on `gpu`) and TP 2 side by side
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(run_engine, model, 1, device, cases, log_dir, gpu)
+            second = pool.submit(run_engine, model, 2, device, cases, log_dir)
+            one, two = first.result(), second.result()
+    else:
+        one = run_engine(model, 1, device, cases, log_dir)
+        two = run_engine(model, 2, device, cases, log_dir)
     per_case = compare(one, two, cases)
     summary = {k: one[k] for k in ("region_idle", "region_used_pages_at_end", "evicted_counter",
                                     "evicted_reported", "evicted_counted_once", "flushed")}
@@ -339,7 +358,7 @@ def parse_args(argv: list[str]) -> dict:
     if not argv or argv[0].startswith("--"):
         raise SystemExit(__doc__)
     opts = dict(zip(argv[1::2], argv[2::2]))
-    unknown = set(opts) - {"--models", "--device", "--cases"}
+    unknown = set(opts) - {"--models", "--device", "--cases", "--parallel"}
     if unknown or len(argv[1:]) % 2:
         raise SystemExit(f"bad options {argv[1:]}\n{__doc__}")
     labels = [case_label(p) for p, _ in CASES]
@@ -348,7 +367,7 @@ def parse_args(argv: list[str]) -> dict:
         raise SystemExit(f"unknown cases {sorted(set(wanted) - set(labels))}; cases: {','.join(labels)}")
     cases = [(i, p, t) for i, (p, t) in enumerate(CASES) if case_label(p) in wanted]
     return {"out": Path(argv[0]), "models": opts.get("--models", "tiny,small").split(","),
-            "device": opts.get("--device"), "cases": cases}
+            "device": opts.get("--device"), "cases": cases, "parallel": opts.get("--parallel", "0") == "1"}
 
 
 def main(argv: list[str]) -> int:
@@ -363,10 +382,28 @@ def main(argv: list[str]) -> int:
     report = {"command": " ".join([sys.executable, *sys.argv]), "date_utc": datetime.now(timezone.utc).isoformat(),
               "device": device, "gpus": info["names"], "torch": info["torch"], "dtype": "float32",
               "max_total_tokens": MAX_TOTAL_TOKENS, "engine_extra": CUDA_EXTRA if device == "cuda" else {},
-              "cases": [case_label(p) for _, p, _ in args["cases"]], "models": {}}
+              "cases": [case_label(p) for _, p, _ in args["cases"]], "models": {}, "parallel": args["parallel"]}
     path = args["out"] / "gpu-tp.json"
     started = time.monotonic()
-    for name in args["models"]:
+    if args["parallel"]:
+        for name in args["models"]:  # built here, not in the threads
+            build_model(name)
+        gpus = max(1, info["cuda"])
+        print(f"== {','.join(args['models'])} on {device}, every server at once", flush=True)
+        with ThreadPoolExecutor(len(args["models"])) as pool:
+            futures = {pool.submit(check_model, name, device, args["cases"], log_dir, True, i % gpus): name
+                       for i, name in enumerate(args["models"])}
+            for future in as_completed(futures):
+                name = futures[future]
+                try:
+                    report["models"][name] = future.result()
+                except Exception as exc:  # noqa: BLE001 - the other model's result still counts
+                    report["models"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:3000]}
+                    print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                report["ok"] = all(m["ok"] for m in report["models"].values())
+                report["total_s"] = round(time.monotonic() - started, 1)
+                path.write_text(json.dumps(report, indent=1))
+    for name in [] if args["parallel"] else args["models"]:
         print(f"== {name} on {device}", flush=True)
         report["models"][name] = check_model(name, device, args["cases"], log_dir)
         report["ok"] = all(m["ok"] for m in report["models"].values())
