@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kvsieve.policies.observations import Need, Observations
 
-from . import interpreter_compat
+from . import interpreter_compat, longflow_fused
 from .attention_ref import SPARSITY_THRESHOLD
 
 interpreter_compat.apply()
@@ -513,7 +513,7 @@ def default_splits(keys: int) -> int:
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
                      needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
                      block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None,
-                     variant: str = SERVING_TBQ_VARIANT):
+                     variant: str = SERVING_TBQ_VARIANT, fused: bool | None = None):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
@@ -530,7 +530,20 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     page per block, a branch on its format; kept for A/B timings in
     bench/tbq_kernel.py). Observations as
     attention_ref.attend_rows gives them:
-    attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq]."""
+    attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq].
+
+    `fused`: a step with Need.PV_NORM (LongFlow's rows) and no other need
+    than Need.ATTENTION goes by default (None, without num_splits) through
+    kernels/longflow_fused.py: the same results from one kernel with no
+    logits scratch and no observation kernel (longflow_fused.applies says
+    when it serves). False keeps this split-KV path; True requires it."""
+    if fused and quant is not None:
+        raise ValueError("the fused pass reads full-precision pages only")
+    if fused or (fused is None and num_splits is None
+                 and longflow_fused.applies(needs, quant, table.shape[2] * region_k.shape[1])):
+        return longflow_fused.decode_attention_observed(q, pool_k, pool_v, prefix_slots, prefix_len, region_k,
+                                                        region_v, region_valid, table, scale, needs,
+                                                        region_vnorm=region_vnorm)
     R, Hq, D = q.shape
     Hkv = table.shape[1]
     G = Hq // Hkv

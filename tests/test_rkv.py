@@ -284,7 +284,7 @@ def test_ceiling_and_params():
     assert cls().max_private_tokens(cls.Params(buffer=128), 10, 1000, 32) == 160
     assert cls().max_private_tokens(cls.Params(), 50, 100, 32) == 50  # the whole prompt until it is cut
     spec = parse_kv_policy({"name": "rkv", "budget": 64})
-    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 16}
+    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 16, "scoring": "fast"}
     assert not spec.prompt_compressed  # decode-time: the prompt stays in the radix cache by default
     for bad in ({"kernel": 4}, {"window": 0}, {"lambda_mix": 1.5}, {"buffer": 0}, {"retain_ratio": 0.1}):
         with pytest.raises(KVPolicyError) as info:

@@ -357,7 +357,8 @@ def test_ceiling_and_params():
     cls = get_policy("skipkv")
     assert cls().max_private_tokens(cls.Params(), 10, 100, 32) == 48
     spec = parse_kv_policy({"name": "skipkv", "budget": 64})
-    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 16, "tau": 0.9, "refresh": 16,
+    assert spec.params == {"window": 8, "kernel": 7, "lambda_mix": 0.07, "buffer": 16, "scoring": "fast",
+                           "tau": 0.9, "refresh": 16,
                            "steering": False, "alpha": 1.25, "alpha_step": 0.02, "alpha_max": 2.0, "layer": None}
     for bad in ({"tau": 1.5}, {"refresh": 0}, {"sigma": 0.5}):
         with pytest.raises(KVPolicyError) as info:
