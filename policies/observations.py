@@ -30,6 +30,15 @@ class Need(enum.Flag):
     #: Policy.prompt_attention_inputs gets it (CrystalCache S1).
     LAYER0_ATTENTION = enum.auto()
     LAYER0_KEYS = enum.auto()  # SlotView.keys in the first layer's decisions only
+    #: SlotView.queries: each row's post-RoPE queries of its last QUERY_WINDOW
+    #: decode steps in the layer, kept by the engine per req_pool row
+    #: (radix_ext/query_ring.py; R-KV's observation window).
+    QUERIES = enum.auto()
+
+
+#: Decode queries the engine keeps per (req_pool row, layer) for Need.QUERIES:
+#: R-KV's observation window (alpha = 8).
+QUERY_WINDOW = 8
 
 
 @dataclass
@@ -74,6 +83,13 @@ class SlotView:
     last_hit: Optional[torch.Tensor]
     #: [R, H, S, D] post-RoPE keys, given only to policies that need Need.KEYS.
     keys: Optional[torch.Tensor] = None
+    #: Need.QUERIES, deciding rows only: [R, QUERY_WINDOW, Hq, D] the rows'
+    #: latest decode queries of this layer (post-RoPE, in ring order) and
+    #: [R, QUERY_WINDOW] the position of each one's token (-1: none yet).
+    #: A slot may still hold a query of the row's previous request: its
+    #: position tells (policies.skipkv.rkv_paper.own_recent_queries).
+    queries: Optional[torch.Tensor] = None
+    query_position: Optional[torch.Tensor] = None
 
     @property
     def held(self) -> torch.Tensor:

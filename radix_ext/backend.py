@@ -42,6 +42,7 @@ from . import faults, forward_graphs, head_parallel, layer0_probe, memory_split,
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
+from .query_ring import QueryRing
 from .region_graphs import RegionGraphs
 from .runtime import RUNTIME
 from .step_log import StepLog
@@ -89,6 +90,10 @@ def _private_ids(req) -> list:
 
 
 class KvsieveAttnBackend(AttentionBackend):
+    #: Need.QUERIES: every req_pool row's latest decode queries, made at the
+    #: first step that needs them (query_ring.py).
+    query_ring: Optional[QueryRing] = None
+
     def __init__(self, model_runner):
         super().__init__()
         self.inner = _platform_backend(model_runner)
@@ -369,6 +374,8 @@ class KvsieveAttnBackend(AttentionBackend):
             p.position[page, offset] = rows.positions.unsqueeze(1)
             p.score[page, offset] = p.const_zero
             p.last_hit[page, offset] = p.const_zero_int
+            if needs & Need.QUERIES:
+                self._keep_queries(q3[idx], rows, layer.layer_id)
         # 2. Attention over prefix + region, with the observations asked for.
         with span("kvsieve.attend"):
             if self.use_kernel:
@@ -385,6 +392,13 @@ class KvsieveAttnBackend(AttentionBackend):
                                        view.valid.unsqueeze(1), layer.scaling, needs)
                 o3[idx[:rows.real]] = out[:rows.real, 0].to(o3.dtype)  # padded rows' outputs dropped
         return obs
+
+    def _keep_queries(self, q, rows, layer_id: int) -> None:
+        """Need.QUERIES: each row's query of this step into its ring (padded
+        rows write SGLang's padding row, which no request has)."""
+        if self.query_ring is None:
+            self.query_ring = QueryRing.for_queries(self.pages.config.max_rows, self.num_layers, q)
+        self.query_ring.keep(layer_id, rows.pool_rows, rows.positions, q)
 
     def decode_group(self, group, layer, obs) -> None:
         """Steps 3-4 for one policy group of a decode step: its decision (or
@@ -454,6 +468,10 @@ class KvsieveAttnBackend(AttentionBackend):
         stateful = policy.keeps_slot_state and (prefill or not (layer.layer_id and policy.observes_first_layer_only))
         with span("kvsieve.view"):
             view = self._view(table, keys=wants_keys, state=stateful)
+            if deciding and not prefill and policy.needs & Need.QUERIES and self.query_ring is not None:
+                # From the ring's persistent buffers by the group's own rows:
+                # a captured group pass reads the same ones on replay.
+                view.queries, view.query_position = self.query_ring.recent(layer.layer_id, group.pool_rows)
         batch = group.batch(layer.layer_id, table.shape[1])
         if prefill:
             decide = policy.select_prefill

@@ -1,4 +1,7 @@
-"""R-KV's token scores as batched tensor functions ([R, H, S] slots, any order).
+"""R-KV's token scores as batched tensor functions ([R, H, S] slots, any order):
+`scoring: "fast"`, the default. `scoring: "paper"` (policies.skipkv.rkv_paper)
+recomputes the importance from the last queries and builds the S x S
+redundancy with the paper's correction, the two approximations below undone.
 
 score = lambda_mix * importance - (1 - lambda_mix) * redundancy, where
   importance = attention of the recent queries, averaged over the kv head's
