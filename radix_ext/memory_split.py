@@ -137,7 +137,8 @@ QUANT_BITS_ENV = "KVSIEVE_TBQ_BITS"
 
 def quant_bits() -> int:
     """Bits per element a quantized page's code rows hold: 4 (NVFP4 and
-    ternary; R8's FP8 groups are stored as NVFP4) or 8 (FP8 too)."""
+    ternary; thinkv's params refuse R8E4T2 here, a 400 naming this setting)
+    or 8 (FP8 too)."""
     raw = os.environ.get(QUANT_BITS_ENV, "4")
     if raw not in ("4", "8"):
         raise ValueError(f"{QUANT_BITS_ENV}={raw!r}: must be 4 or 8")

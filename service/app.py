@@ -26,6 +26,7 @@ from .auto_policy import catalog_entry as auto_catalog_entry
 from .errors import APIError, bad_request, from_validation_error
 from .generation import Job, build_sampling_params, resolve_max_tokens, run_job
 from .metrics import GUARD_REJECTIONS, count_rejected, observe_kv_usage, render_metrics
+from .presets import BUILTIN_PRESETS, builtin_listing
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -362,7 +363,12 @@ def create_app(engine, model_name: str, presets: Optional[Mapping[str, Mapping]]
 
     @app.get("/v1/kv_policies")
     async def kv_policies():
-        return {**catalog(server.engine.served_policies, server.presets), "auto": auto_catalog_entry()}
+        # `presets`: the user's (file and store); `builtin_presets`: the
+        # papers' configurations served here, each setting with its source.
+        served, presets = server.engine.served_policies, server.presets
+        builtins = {name: entry for name, entry in builtin_listing(served).items() if name in presets}
+        users = {name: value for name, value in presets.items() if name not in BUILTIN_PRESETS}
+        return {**catalog(served, users), "builtin_presets": builtins, "auto": auto_catalog_entry()}
 
     @app.get("/health")
     async def health():

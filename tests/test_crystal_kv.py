@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsieve.policies import KVPolicyError, Observations, parse_kv_policy
+from kvsieve.policies import Observations, parse_kv_policy
 from kvsieve.policies.crystal_kv.policy import hits_of
 
 import pytest
@@ -77,10 +77,11 @@ def test_top_p_hits_are_the_smallest_prefix_reaching_the_mass():
     assert hits_of(attention, valid, torch.tensor([0.8])).tolist() == [[[False, True, True, False]]]
 
 
-def test_adaptive_budgets_refuse_a_budget_ratio():
-    with pytest.raises(KVPolicyError) as err:
-        parse_kv_policy({"name": "crystal_kv", "budget_ratio": 0.5, "params": {"adaptive": True}})
-    assert "budget_ratio" in err.value.field
+def test_adaptive_budgets_take_a_budget_ratio():
+    # Issue #30: each reallocation shares the ratio's budget of that step
+    # (tests/test_crystal_kv_knobs.py checks the totals).
+    spec = parse_kv_policy({"name": "crystal_kv", "budget_ratio": 0.5, "params": {"adaptive": True}})
+    assert spec.budget_ratio == 0.5 and spec.params["adaptive"] is True
 
 
 def test_adaptive_realloc_reads_the_crf_sums_and_feeds_per_head_budgets():

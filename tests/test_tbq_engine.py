@@ -31,7 +31,6 @@ def quantized_idle(server, timeout=30):
 def test_thinkv_quantizes_by_default_and_reports_its_bytes(llama_server):
     on = complete(llama_server, PROMPT, THINKV, max_tokens=100)["kv_usage"]
     off = complete(llama_server, PROMPT, with_params(tbq=False), max_tokens=100)["kv_usage"]
-    r8 = complete(llama_server, PROMPT, with_params(tbq_precision="R8E4T2"), max_tokens=100)["kv_usage"]
     assert on["tbq"] is True and off["tbq"] is False
     # Both hold the budget (quantized outputs differ, and so do their anneals).
     assert on["retained_tokens"] <= len(PROMPT) + 48 and off["retained_tokens"] <= len(PROMPT) + 48
@@ -44,8 +43,7 @@ def test_thinkv_quantizes_by_default_and_reports_its_bytes(llama_server):
     per_token = lambda kv: kv["retained_kv_bytes"] / (  # noqa: E731
         kv["retained_tokens"] - kv["prompt_tokens"] + kv["prefix_cache_hit_tokens"])
     assert per_token(on) < per_token(off) / 2
-    # R8 on a 4-bit page class stores reasoning groups as NVFP4: no more bits than R4.
-    assert r8["kv_bits_per_element"] <= on["kv_bits_per_element"] + 1e-9
+    # R8E4T2 on a 4-bit page class is a 400 (issue #30, tests/test_paper_presets_api.py), not stored as NVFP4.
     assert region_idle(llama_server) and quantized_idle(llama_server)
 
 

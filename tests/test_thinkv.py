@@ -47,22 +47,22 @@ def test_anneal_across_two_transitions():
 
 
 def test_budget_anneals_the_oldest_least_important_segment():
-    # refresh 8, schedule (4, 2, 1), budget 10; segment 0 R, segment 1 E.
-    # Step 10: 8 + 3 = 11 > 10: E is the least important type present: its
-    # segment 1 (3 tokens) skips level 0 (4 >= 3) and takes level 1: 2 -> 10.
-    # Step 11: 8 + 3 = 11: segment 1 to level 2: 1 -> 9. Step 12: 10.
-    # Step 13: 8 + 3 = 11: segment 1 is past the schedule, so the R segment 0
-    # anneals: 4 -> 4 + 3 = 7.
+    # refresh 8, schedule (4, 2, 1), budget 20; segments R, E, R (open from
+    # step 16), R (open from step 24). The open segment is never annealed.
+    # Step 20: 8 + 8 + 5 = 21 > 20: E is the least important type present:
+    # segment 1 -> 4 (17). Step 24: 8 + 4 + 8 + 1 = 21: segment 1 -> 2 (19).
+    # Step 26: 21: segment 1 -> 1 (20). Step 27: 21: segment 1 is past the
+    # schedule, so the oldest R segment anneals: segment 0 -> 4 (17).
     book = SegmentBook(refresh=8, retention=(4, 2, 1))
-    for t in range(14):
-        book.add_generated(t).thought = [R_, E_][t // 8]
-        book.fit_budget(10)
-        assert book.held <= 10
-        if t == 10:
-            assert book.targets() == [8, 2]
-        if t == 12:
-            assert book.targets() == [8, 2]
-    assert book.targets() == [4, 3]
+    for t in range(28):
+        book.add_generated(t).thought = [R_, E_, R_, R_][t // 8]
+        book.fit_budget(20)
+        assert book.held <= 20
+        if t == 20:
+            assert book.targets() == [8, 4, 5]
+        if t == 26:
+            assert book.targets() == [8, 1, 8, 3]
+    assert book.targets() == [4, 1, 8, 4]
 
 
 def test_past_the_schedule_whole_segments_go_and_the_newest_keeps_its_token():

@@ -46,13 +46,19 @@ def largest_remainder(amounts: torch.Tensor, total: int) -> torch.Tensor:
     return (whole + bonus).to(torch.int64).view_as(amounts)
 
 
-def reallocate_budgets(crf: torch.Tensor, budgets: torch.Tensor, min_head_budget: int) -> torch.Tensor:
-    """New per-(layer, head) budgets [L, H] (int64) keeping the total of
-    `budgets` and at least the floor per head."""
+def reallocate_budgets(crf: torch.Tensor, budgets: torch.Tensor, min_head_budget: int,
+                       total: int | None = None) -> torch.Tensor:
+    """New per-(layer, head) budgets [L, H] (int64) summing to `total`
+    (default: the total of `budgets`; a budget_ratio's total grows between
+    reallocations), at least the floor per head. The weights read `budgets`
+    only through ratios, so a total other than theirs scales them evenly."""
     budgets = budgets.to(torch.int64)
-    total = int(budgets.sum().item())
+    if total is None:
+        total = int(budgets.sum().item())
     if not bool((crf > 0).any()):
-        return budgets.clone()
+        if total == int(budgets.sum().item()):
+            return budgets.clone()
+        return largest_remainder(budgets.double() * (total / max(int(budgets.sum().item()), 1)), total)
     heads = budgets.numel()
     floor = min(min_head_budget, total // heads)
     weights = share_weights(crf, budgets)

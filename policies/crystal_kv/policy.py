@@ -33,12 +33,21 @@ decode steps while thinking, the engine (radix_ext/head_pages.py) asks
 steps) and runs budgets.reallocate_budgets; the engine caps the
 new budgets to the pages each head can be given, this step's decision
 evicts down to them, and the pages move between heads at the next step.
-A budget_ratio does not combine with it (the total must be fixed).
+With a budget_ratio the total of each reallocation is the ratio's budget at
+that step (the heads keep their budgets until the next one); with
+`answer_tokens: null` every head's pages hold its whole generation, so the
+budgets change without moving pages.
+
+Endpoints of `decay` (lambda, [0, 1], §5.2): 1 is LFU (1^(t - tau) = 1: the
+CRF counts hits); 0 is LRU, where every slot not hit in this step has CRF 0,
+so the ranking is the step of the last hit (tau) instead, slots never hit
+last (as the CRF ranks them for any lambda).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
 from pydantic import Field
@@ -50,17 +59,28 @@ from ..observations import Need, keep_top_k, newest_mask, rank_by_position, to_d
 from ..registry import register_policy
 
 
+#: answer_tokens None: a head never evicts after the end-of-think marker
+#: (the decisions see this room, far above any head's tokens).
+NEVER_AFTER_MARKER = 1 << 40
+
+
 class CrystalKVParams(PolicyParams):
-    decay: float = Field(default=0.6, gt=0.0, lt=1.0, description="lambda of the LRFU (0: LRU, 1: LFU)")
+    decay: float = Field(default=0.6, ge=0.0, le=1.0,
+                         description="lambda of the LRFU: 0 is LRU (ranks by last hit), 1 is LFU (counts hits); "
+                                     "the paper recommends 0.5-0.7 (§6.4)")
     top_p: float = Field(default=0.9, gt=0.0, le=1.0, description="probability mass of a step's hits")
     evict_interval: int = Field(default=16, ge=1, le=1024,
                                 description="evict down to the budget every N steps (a head holds up to "
                                             "budget + N - 1 between)")
     think_end: str = Field(default="</think>", max_length=64,
                            description="end-of-think marker: eviction stops after it ('' = never stops)")
-    answer_tokens: int = Field(default=512, ge=0, le=1 << 20,
-                               description="tokens a head may add after the marker before eviction resumes")
-    adaptive: bool = Field(default=False, description="adaptive layer/head budgets (Algorithm 2); false = Lite")
+    answer_tokens: Optional[int] = Field(default=512, ge=0, le=1 << 20,
+                                         description="tokens a head may add after the marker before eviction "
+                                                     "resumes; null: never evicts after the marker (admission "
+                                                     "then reserves the whole generation)")
+    adaptive: bool = Field(default=False, description="adaptive layer/head budgets (Algorithm 2); false = Lite. "
+                                                      "With budget_ratio each reallocation shares the ratio's "
+                                                      "budget at that step")
     realloc_interval: int = Field(default=128, ge=1, le=1 << 20, description="decode steps between reallocations")
     min_head_budget: int = Field(default=16, ge=1, le=1 << 20, description="floor of a head's adaptive budget")
 
@@ -168,15 +188,21 @@ class CrystalKVPolicy(Policy):
         return inputs
 
     @classmethod
-    def check_budget(cls, params, budget, budget_ratio):
-        if params.adaptive and budget_ratio is not None:
-            return "budget_ratio", "adaptive crystal_kv budgets need a fixed budget, not budget_ratio"
-        return None
+    def batch_params(cls, rows, device="cpu"):
+        # answer_tokens may be None (never evict after the marker): the
+        # decisions read it as a room no head reaches.
+        params, maxima = super().batch_params(rows, device)
+        room = [NEVER_AFTER_MARKER if row.answer_tokens is None else row.answer_tokens for row in rows]
+        params["answer_tokens"] = to_device(room, torch.int64, device)
+        maxima["answer_tokens"] = max(room)
+        return params, maxima
 
     # ----- adaptive budgets (called by radix_ext/head_pages.py between steps) ----
     def realloc_head_budgets(self, state, step, pool_row, budget):
         """New [L, H] budgets every realloc_interval decode steps while
-        thinking, or None."""
+        thinking, or None. The total is `budget` per head: fixed, or with
+        a budget_ratio the ratio's budget at this step (the heads then keep
+        those budgets until the next reallocation)."""
         p = state.params
         if not p.adaptive or not state.thinking or step <= 0 or step % p.realloc_interval:
             return None
@@ -187,11 +213,20 @@ class CrystalKVPolicy(Policy):
         current = state.head_budgets
         if current is None:
             current = torch.full((state.num_layers, state.num_kv_heads), budget, dtype=torch.int64)
-        return reallocate_budgets(crf, current, p.min_head_budget)
+        wanted = reallocate_budgets(crf, current, p.min_head_budget, total=budget * current.numel())
+        if p.think_end and p.answer_tokens is None:
+            # Never evicting after the marker, every head's pages already
+            # hold its whole generation (max_private_tokens): any budget
+            # fits without moving pages, and moving them could leave a
+            # head short once the answer grows it.
+            self.accept_head_budgets(state, wanted)
+            return None
+        return wanted
 
     def head_room(self, params):
         """Slots a head holds past its budget (the admission ceiling's room)."""
-        return params.evict_interval + (params.answer_tokens if params.think_end else 0)
+        answer = params.answer_tokens if params.think_end and params.answer_tokens is not None else 0
+        return params.evict_interval + answer
 
     def accept_head_budgets(self, state, budgets):
         state.head_budgets = budgets
@@ -200,8 +235,11 @@ class CrystalKVPolicy(Policy):
     def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
         # A head may overflow by evict_interval - 1 tokens before evicting,
         # stores each step's token before the decision, and after the
-        # end-of-think marker grows by up to answer_tokens.
-        answer = params.answer_tokens if params.think_end else 0
+        # end-of-think marker grows by up to answer_tokens (all of the
+        # generation when it never evicts after the marker).
+        answer = 0
+        if params.think_end:
+            answer = max_new_tokens if params.answer_tokens is None else params.answer_tokens
         return min(private_prompt + max_new_tokens, max(private_prompt, budget + params.evict_interval + answer))
 
     def select_prefill(self, batch, view, obs):
@@ -223,8 +261,13 @@ class CrystalKVPolicy(Policy):
     def _lrfu_step(self, batch, view, obs):
         """Algorithm 1's bookkeeping of one step: the new token enters with
         CRF 0 and tau = t; the step's hits take CRF <- decayed CRF + 1 and
-        tau <- t. Returns the newest slots and every slot's decayed CRF at t
-        (the eviction's ranking)."""
+        tau <- t. Returns the newest slots, every slot's decayed CRF at t
+        and the eviction's ranking: the decayed CRF, except with decay 0
+        (LRU), where every slot not hit now has CRF 0: there the ranking is
+        the step of the last hit (tau), a slot never hit ranking below all
+        (its CRF is 0 whatever lambda), which is where the ranking tends as
+        lambda -> 0 while the last hits differ. Decay 1 (LFU) needs no
+        special case: 1^(t - tau) is 1, the CRF counts hits."""
         t = batch.step.view(-1, 1, 1).to(torch.int32)
         newest = newest_mask(view.valid, view.position, torch.ones_like(batch.step).view(-1, 1), 1)
         view.score.masked_fill_(newest, 0.0)
@@ -234,13 +277,17 @@ class CrystalKVPolicy(Policy):
         hits = hits_of(obs.attention, view.valid, batch.param("top_p"))
         view.score.copy_(torch.where(hits, decayed + 1.0, view.score))
         view.last_hit.copy_(torch.where(hits, t, view.last_hit))
-        return newest, torch.where(hits, decayed + 1.0, decayed)
+        crf = torch.where(hits, decayed + 1.0, decayed)
+        # A stored CRF is >= 1 once hit (lazy decay), 0 for a slot never hit.
+        last_hit = torch.where(view.score > 0, view.last_hit.float(), torch.full_like(crf, -1.0))
+        ranking = torch.where(decay == 0, last_hit, crf)
+        return newest, crf, ranking
 
     def observe_decode(self, batch, view, obs):
         self._lrfu_step(batch, view, obs)
 
     def select_decode(self, batch, view, obs):
-        newest, ranking = self._lrfu_step(batch, view, obs)
+        newest, crf, ranking = self._lrfu_step(batch, view, obs)
         held = view.valid.sum(dim=-1)  # [R, H]
         interval = batch.param("evict_interval").view(-1, 1)
         due = (batch.step.view(-1, 1) % interval == 0) | (held > batch.budget + interval - 1)
@@ -253,7 +300,7 @@ class CrystalKVPolicy(Policy):
         keep = newest | keep_top_k(ranking, view.valid & ~newest, batch.budget - 1)
         evict = view.valid & ~keep & evicting.unsqueeze(-1)
         self._record_crf_sums(batch, view.valid.shape[1],
-                              torch.where(view.valid & ~evict, ranking, torch.zeros_like(ranking)).sum(dim=-1))
+                              torch.where(view.valid & ~evict, crf, torch.zeros_like(crf)).sum(dim=-1))
         return evict
 
     def _record_crf_sums(self, batch, heads, sums):

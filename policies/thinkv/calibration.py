@@ -6,6 +6,9 @@ modes. Stored as an artifact {model, layers, thresholds} in kvsieve's store
 
 A model without an artifact runs with FALLBACK_* below **(decision)**, and
 says so in the logs and in kvsieve_policy_fallback_total{policy="thinkv"}.
+A request may override the layers and the thresholds (thinkv's `layers`,
+`thresholds`): `overridden` gives its own Calibration; a request that
+overrides both uses no fallback.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Calibration:
     thresholds: tuple[float, float]
     #: None when it came from an artifact; else why the fallback runs.
     fallback: Optional[str] = None
+    #: What a request set itself ("layers", "thresholds").
+    overrides: tuple[str, ...] = ()
 
     def to_artifact(self) -> dict:
         return {"model": self.model, "layers": list(self.layers), "thresholds": list(self.thresholds)}
@@ -61,6 +66,24 @@ def fallback(model: str, num_layers: int, reason: str) -> Calibration:
     first = max(0, min(centre - FALLBACK_LAYER_COUNT // 2, num_layers - FALLBACK_LAYER_COUNT))
     layers = tuple(range(first, min(num_layers, first + FALLBACK_LAYER_COUNT)))
     return Calibration(model=model, layers=layers, thresholds=FALLBACK_THRESHOLDS, fallback=reason)
+
+
+def overridden(base: Calibration, num_layers: int, layers: Optional[Sequence[int]] = None,
+               thresholds: Optional[Sequence[float]] = None) -> Calibration:
+    """`base` with a request's own layers and/or thresholds. ValueError for
+    a layer the model does not have (the params' bounds cannot know it)."""
+    if layers is None and thresholds is None:
+        return base
+    if layers is not None and max(layers) >= num_layers:
+        raise ValueError(f"layer {max(layers)} is past the model's {num_layers} layers")
+    parts = tuple(name for name, value in (("layers", layers), ("thresholds", thresholds)) if value is not None)
+    return Calibration(
+        model=base.model,
+        layers=tuple(sorted(layers)) if layers is not None else base.layers,
+        thresholds=(float(thresholds[0]), float(thresholds[1])) if thresholds is not None else base.thresholds,
+        fallback=None if len(parts) == 2 else base.fallback,
+        overrides=parts,
+    )
 
 
 def artifact_key(model_name_or_path: str) -> str:

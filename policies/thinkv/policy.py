@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import deque
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 from pydantic import Field, field_validator
@@ -33,6 +34,7 @@ from ..base import ModelInfo, Policy, PolicyParams, RequestState, StepRow
 from ..host_reads import HostCopy
 from ..observations import Need, to_device
 from ..registry import register_policy
+from ..spec import KVPolicyError
 from .segments import SegmentBook, Thought, classify
 from .select import segment_index, tbe_evict
 
@@ -47,15 +49,39 @@ def _bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+#: Width of the server's quantized rows, 4 or 8 bits (radix_ext/memory_split
+#: reads the same setting to size them).
+TBQ_BITS_ENV = "KVSIEVE_TBQ_BITS"
+
+# Strict items: JSON true or "0.5" is not a threshold, nor "3" a layer.
+Sparsity = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
+LayerIndex = Annotated[int, Field(ge=0, le=4095, strict=True)]
+
+
+def server_tbq_bits() -> int:
+    """Bits per element a quantized page row of this server holds."""
+    return 8 if os.environ.get(TBQ_BITS_ENV, "4") == "8" else 4
+
+
 class ThinKVParams(PolicyParams):
     refresh: int = Field(default=128, ge=1, le=65536, description="steps per thought segment")
     retention: tuple[int, ...] = Field(default=(64, 32, 16, 8, 4), min_length=1, max_length=16,
                                        description="tokens a segment keeps after its 1st, 2nd, ... anneal")
     kmeans_iters: int = Field(default=8, ge=0, le=100, description="Lloyd iterations choosing the survivors")
+    floor: Literal["drop", "merge"] = Field(
+        default="merge", description="once every closed segment is at the schedule's last level and the budget is "
+                                    "still exceeded: drop whole segments, or merge two neighbouring segments of one "
+                                    "thought type into one of the last level's size (k-means over both)")
     tbq: bool = Field(default=True, description="quantize generated tokens by thought type (TBQ, §4.2)")
     tbq_precision: Literal["R4E4T2", "R8E4T2"] = Field(
         default="R4E4T2", description="bits of reasoning, execution and transition tokens (8: FP8, 4: NVFP4, "
-                                      "2: ternary)")
+                                      f"2: ternary); R8E4T2 needs a server started with {TBQ_BITS_ENV}=8")
+    thresholds: Optional[tuple[Sparsity, Sparsity]] = Field(
+        default=None, description="(theta_1, theta_2) sparsity thresholds between thought types (E below theta_1, "
+                                  "T from theta_2, §4.1), overriding the model's calibration artifact")
+    layers: Optional[tuple[LayerIndex, ...]] = Field(
+        default=None, min_length=1, max_length=64,
+        description="layers L* whose mean sparsity types a segment (§4.1), overriding the calibration artifact")
 
     @field_validator("retention")
     @classmethod
@@ -65,6 +91,45 @@ class ThinKVParams(PolicyParams):
         if any(a <= b for a, b in zip(retention, retention[1:])):
             raise ValueError("must be strictly descending")
         return retention
+
+    @field_validator("tbq_precision")
+    @classmethod
+    def _server_holds_it(cls, precision: str, info) -> str:
+        # Refused rather than stored at a lower precision than asked.
+        if precision == "R8E4T2" and info.data.get("tbq", True) and server_tbq_bits() < 8:
+            raise ValueError(f"R8E4T2 keeps reasoning tokens in FP8, and this server's quantized pages hold "
+                             f"4-bit rows ({TBQ_BITS_ENV} is not 8); ask for R4E4T2 or tbq: false, or start "
+                             f"the server with {TBQ_BITS_ENV}=8")
+        return precision
+
+    @field_validator("thresholds")
+    @classmethod
+    def _ordered(cls, thresholds):
+        if thresholds is not None and not thresholds[0] < thresholds[1]:
+            raise ValueError("theta_1 must be below theta_2")
+        return thresholds
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct(cls, layers):
+        if layers is not None and len(set(layers)) != len(layers):
+            raise ValueError("must not repeat a layer")
+        return layers
+
+
+_TYPE_NAMES = {Thought.REASONING: "reasoning", Thought.EXECUTION: "execution", Thought.TRANSITION: "transition"}
+_FORMAT_NAMES = {kvf.FP8: "fp8", kvf.NVFP4: "nvfp4", kvf.TERNARY: "ternary"}
+
+
+def precision_of(thought: Thought, tbq_precision: str) -> int:
+    """Storage format of a thought type's groups (§4.2): T ternary, E NVFP4,
+    R NVFP4 or FP8. FP8 only where the server's rows hold it (the engine
+    stores it as NVFP4 otherwise; the params refuse R8E4T2 there first)."""
+    if thought == Thought.TRANSITION:
+        return kvf.TERNARY
+    if thought == Thought.REASONING and tbq_precision == "R8E4T2" and server_tbq_bits() >= 8:
+        return kvf.FP8
+    return kvf.NVFP4
 
 
 class ThinKVState(RequestState):
@@ -76,12 +141,21 @@ class ThinKVState(RequestState):
         self.last_key: Optional[tuple] = None
         self.last_row: Optional[tuple] = None
         self.fallback: Optional[str] = None
+        #: The layers and thresholds that type its segments: the model's
+        #: calibration, or its own overrides (set by begin_request).
+        self.calibration: Optional[calib.Calibration] = None
+        self.num_layers = num_layers
+        #: [num_layers] bools of its own layer set; None without an override.
+        self.layer_mask: Optional[list[bool]] = None
+        #: first decode step of each quantized group -> (thought, format), as
+        #: group_format named it: what kv_usage reports.
+        self.groups: dict[int, tuple[Thought, int]] = {}
         #: (step, HostCopy, index, segment): a segment's sparsity on its way
         #: to the host, typed at that decode step (host_reads.py)
         self.typing: deque = deque()
 
     def new_book(self) -> SegmentBook:
-        return SegmentBook(refresh=self.params.refresh, retention=self.params.retention)
+        return SegmentBook(refresh=self.params.refresh, retention=self.params.retention, floor=self.params.floor)
 
 
 @register_policy
@@ -129,7 +203,14 @@ class ThinKVPolicy(Policy):
     # ----- per request ----------------------------------------------------------
     def begin_request(self, params, num_layers, num_kv_heads) -> ThinKVState:
         state = ThinKVState(params, num_layers, num_kv_heads)
-        state.fallback = self._calibration().fallback
+        try:
+            state.calibration = calib.overridden(self._calibration(), num_layers, params.layers, params.thresholds)
+        except ValueError as exc:
+            raise KVPolicyError("kv_policy.params.layers", str(exc)) from None
+        if params.layers is not None:
+            chosen = set(state.calibration.layers)
+            state.layer_mask = [layer in chosen for layer in range(num_layers)]
+        state.fallback = state.calibration.fallback
         if state.fallback:
             _count_fallback(state.fallback.split(":", 1)[0])
         return state
@@ -144,11 +225,24 @@ class ThinKVPolicy(Policy):
         book = state.book
         seg = book.generated(first_step // book.refresh) if book is not None else None
         thought = Thought.REASONING if seg is None or seg.thought is None else seg.thought
-        if thought == Thought.TRANSITION:
-            return kvf.TERNARY
-        if thought == Thought.REASONING and state.params.tbq_precision == "R8E4T2":
-            return kvf.FP8
-        return kvf.NVFP4
+        fmt = precision_of(thought, state.params.tbq_precision)
+        state.groups[first_step] = (thought, fmt)
+        return fmt
+
+    def usage(self, state: ThinKVState) -> dict:
+        """kv_usage: the format each thought type's quantized groups got
+        ("full" for a type with none: no TBQ, or no whole group of it), the
+        group counts, and the calibration that typed the segments."""
+        precision = {t: "full" for t in _TYPE_NAMES.values()}
+        groups = {t: 0 for t in _TYPE_NAMES.values()}
+        for thought, fmt in state.groups.values():
+            precision[_TYPE_NAMES[thought]] = _FORMAT_NAMES[fmt]
+            groups[_TYPE_NAMES[thought]] += 1
+        cal = state.calibration or self._calibration()
+        source = "override" if len(cal.overrides) == 2 else "fallback" if cal.fallback else "artifact"
+        return {"tbq_precision": precision, "tbq_groups": groups,
+                "thought_typing": {"layers": list(cal.layers), "thresholds": list(cal.thresholds),
+                                   "source": source, "overrides": list(cal.overrides)}}
 
     # ----- per step (host) ------------------------------------------------------
     def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
@@ -183,13 +277,25 @@ class ThinKVPolicy(Policy):
         R = len(rows)
         held_t = torch.tensor(held, dtype=torch.int64).view(R, Kc, 1)
         kept_t = torch.tensor(kept, dtype=torch.int64).view(R, Kc, 1)
-        return {
+        inputs = {
             "targets": to_device(torch.tensor(flat_targets, dtype=torch.int64).view(R, K), torch.int64, device),
             "prompt_segments": to_device([p for _, p, _ in per_row], torch.int64, device),
             "cut_segments": to_device(torch.tensor(cut_index, dtype=torch.int64).view(R, Kc), torch.int64, device),
             "cut_members": to_device(torch.arange(N) < held_t, torch.bool, device),
             "cut_centroids": to_device(torch.arange(T) < kept_t, torch.bool, device),
         }
+        if any(row.state.layer_mask is not None for row in rows):
+            # Some row types its segments from layers of its own: every layer
+            # records sparsity for the rows whose set holds it. Only then, so
+            # the usual group records in L* alone (an input name is part of
+            # a captured graph's key, so either kind replays its own graph).
+            inputs["sparsity_layers"] = to_device([self._layer_mask(row.state) for row in rows], torch.bool, device)
+        return inputs
+
+    def _layer_mask(self, state: ThinKVState) -> list[bool]:
+        if state.layer_mask is not None:
+            return state.layer_mask
+        return [layer in self._layer_set for layer in range(state.num_layers)]
 
     def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int, int]]]:
         """This step of one row: its segment targets, how many prompt
@@ -231,9 +337,7 @@ class ThinKVPolicy(Policy):
             result = ([], book.prompt_segments, [])
             state.last_key, state.last_row = key, result
             return result
-        newest = len(book.segments) - 1
-        cuts = [(i, had - (i == newest), seg.kept - (i == newest))
-                for i, (seg, had) in enumerate(zip(book.segments, before)) if seg.kept < had]
+        cuts = book.cuts(before)
         result = (book.targets(), book.prompt_segments, cuts)
         state.last_key, state.last_row = key, result
         return result
@@ -252,7 +356,7 @@ class ThinKVPolicy(Policy):
                 _, copy, at, seg = queue.popleft()
                 value = copy.values()[at]
                 if not math.isnan(value):
-                    cal = cal or self._calibration()
+                    cal = row.state.calibration or self._calibration()
                     seg.thought = classify(value, *cal.thresholds)
         due, segments = [], []
         for row in rows:
@@ -266,24 +370,34 @@ class ThinKVPolicy(Policy):
                 segments.append(seg)
         if not due or self._sparsity is None:
             return
-        cal = cal or self._calibration()
         device = self._sparsity.device
-        layers = to_device(list(cal.layers), torch.int64, device)
         index = to_device([row.pool_row for row in due], torch.int64, device)
-        copy = HostCopy(self._sparsity[index][:, layers].mean(-1))
+        if all(row.state.layer_mask is None for row in due):
+            layers = to_device(list(self._calibration().layers), torch.int64, device)
+            copy = HostCopy(self._sparsity[index][:, layers].mean(-1))
+        else:  # each row's mean over its own layers (a layer not recorded yet: NaN, typed later)
+            width = self._sparsity.shape[1]
+            mask = to_device([self._layer_mask(row.state)[:width] for row in due], torch.bool, device)
+            values = torch.where(mask, self._sparsity[index][:, :mask.shape[1]], torch.zeros((), device=device))
+            copy = HostCopy(values.sum(-1) / mask.sum(-1).clamp(min=1))
         for at, (row, seg) in enumerate(zip(due, segments)):
             row.state.typing.append((row.step + 1, copy, at, seg))
 
     # ----- per layer (device) ---------------------------------------------------
     def _record_sparsity(self, batch, obs) -> None:
         self._calibration()
-        if batch.layer not in self._layer_set or obs.sparsity is None or batch.pool_rows is None:
+        chosen = batch.inputs.get("sparsity_layers")  # [R, layers]: rows with layer sets of their own
+        if obs.sparsity is None or batch.pool_rows is None:
+            return
+        if chosen is None and batch.layer not in self._layer_set:
             return
         layers = self.model.num_layers if self.model is not None else batch.layer + 1
         if self._sparsity is None or self._sparsity.shape[0] < batch.max_rows or self._sparsity.shape[1] < layers:
             self._sparsity = torch.full((max(batch.max_rows, 1), layers), float("nan"),
                                         device=obs.sparsity.device)
         first_step = (batch.step % batch.param("refresh")) == 0  # [R]
+        if chosen is not None:
+            first_step = first_step & chosen[:, batch.layer]
         held = self._sparsity[batch.pool_rows, batch.layer]
         layer_sparsity = batch.heads.mean(obs.sparsity.float().mean(-1))  # over every rank's query heads
         self._sparsity[batch.pool_rows, batch.layer] = torch.where(first_step, layer_sparsity, held)

@@ -10,7 +10,10 @@ segment describes the whole request.
 
 Segments: generated tokens of decode steps [k*refresh, (k+1)*refresh) form
 segment k; a private prompt in the region is cut into refresh-sized chunks
-counted back from its end (the oldest may be shorter), all of type R.
+counted back from its end (the oldest may be shorter), all of type R. With
+`floor="merge"` a segment at the floor may later be merged into an older one
+of its type: it stays in the list (its position range still maps to it) with
+`merged_into` naming the segment that now holds its tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Segment:
     level: int = 0  # anneals applied (the retention schedule's next entry)
     #: None until its first step's sparsity is read back; prompt chunks are R.
     thought: Optional[Thought] = None
+    #: List index of the older segment of its type whose k-means took its
+    #: tokens (floor="merge"); None while it holds its own.
+    merged_into: Optional[int] = None
 
     @property
     def importance(self) -> int:
@@ -58,11 +64,16 @@ class SegmentBook:
 
     refresh: int
     retention: Sequence[int]  # descending, e.g. (64, 32, 16, 8, 4)
+    #: What the budget does once no closed segment can shrink by the schedule:
+    #: "merge" two floor-size neighbours of one type, or "drop" whole segments
+    #: (ThinKVParams.floor; docs/design/thinkv.md has the measurement).
+    floor: str = "merge"
     segments: list[Segment] = field(default_factory=list)
     prompt_segments: int = 0  # how many leading segments are prompt chunks
     held: int = 0  # tokens each (layer, head) retains, all segments (kept up to date)
     anneal_events: int = 0  # transitions that annealed earlier segments (case 1)
-    budget_events: int = 0  # segment anneals or drops forced by the budget (case 2)
+    budget_events: int = 0  # segment anneals, merges or drops forced by the budget (case 2)
+    merge_events: int = 0  # of which merges (floor="merge")
 
     # ----- growth ------------------------------------------------------------
     def add_prompt(self, tokens: int) -> None:
@@ -125,24 +136,18 @@ class SegmentBook:
 
     def fit_budget(self, budget: int) -> None:
         """Case 2: while the request holds more than `budget` tokens per head,
-        anneal the oldest segment of the least important type present that
-        can still shrink. Past the schedule's last level **(decision: the
-        paper is silent)** whole segments go, least important and oldest
-        first, never the newest (it holds the current token); last, the
-        newest is cut to what the budget leaves (at least its current token)."""
-        floor = self.retention[-1]
+        anneal the oldest closed segment of the least important type present
+        that can still shrink. The open segment (the newest generated one) is
+        never annealed: it is still growing and holds the newest context.
+        Past the schedule's last level **(decisions: the paper is silent)**:
+        with floor="merge" (the default) two neighbouring floor-size
+        segments of one type become one (`_merge_floor`); when none can
+        (floor="drop", or one segment per type left) whole segments go,
+        least important and oldest first; never the newest either way. Last,
+        the newest is cut to what the budget leaves (at least its current
+        token): only when it alone holds more than the budget."""
         while self.held > budget:
-            movable = [(s.importance, i) for i, s in enumerate(self.segments)
-                       if s.level < len(self.retention) and s.kept > floor]
-            if movable:
-                self._anneal(self.segments[min(movable)[1]])
-                self.budget_events += 1
-                continue
-            droppable = [(s.importance, i) for i, s in enumerate(self.segments[:-1]) if s.kept > 0]
-            if droppable:
-                seg = self.segments[min(droppable)[1]]
-                self._keep(seg, 0)
-                seg.level = len(self.retention)
+            if self._anneal_closed() or (self.floor == "merge" and self._merge_floor()) or self._drop_closed():
                 self.budget_events += 1
                 continue
             newest = self.segments[-1]
@@ -151,6 +156,86 @@ class SegmentBook:
             self.budget_events += 1
             break
 
+    def _open(self) -> Optional[int]:
+        """List index of the open segment: the newest generated one (None at
+        prefill, where every segment is a finished prompt chunk)."""
+        if self.segments and self.segments[-1].index >= 0:
+            return len(self.segments) - 1
+        return None
+
+    def _anneal_closed(self) -> bool:
+        """One schedule step for the oldest segment of the least important
+        type that can still shrink, the open segment aside."""
+        floor, open_ = self.retention[-1], self._open()
+        movable = [(s.importance, i) for i, s in enumerate(self.segments)
+                   if i != open_ and s.level < len(self.retention) and s.kept > floor]
+        return bool(movable) and self._anneal(self.segments[min(movable)[1]])
+
+    def _drop_closed(self) -> bool:
+        """Drop the oldest segment of the least important type, never the newest."""
+        droppable = [(s.importance, i) for i, s in enumerate(self.segments[:-1]) if s.kept > 0]
+        if not droppable:
+            return False
+        seg = self.segments[min(droppable)[1]]
+        self._keep(seg, 0)
+        seg.level = len(self.retention)
+        return True
+
+    def _floor_pairs(self) -> list[tuple[int, int, int]]:
+        """(importance, older, newer) list indices of every two segments at
+        the floor that are neighbours among those of their type and hold
+        more than the floor together (so a merge frees a token). Never the
+        newest: it holds the current token (the open segment in a decode,
+        the last prompt chunk at prefill end), and a merged segment's tokens
+        go with the older one's."""
+        floor, newest = self.retention[-1], len(self.segments) - 1
+        pairs, previous = [], {}  # importance -> its last floor-size segment
+        for i, s in enumerate(self.segments):
+            if i == newest or s.merged_into is not None or not 0 < s.kept <= floor:
+                continue
+            j = previous.get(s.importance)
+            if j is not None and self.segments[j].kept + s.kept > floor:
+                pairs.append((s.importance, j, i))
+            previous[s.importance] = i
+        return pairs
+
+    def _merge_floor(self) -> bool:
+        """floor="merge": the oldest pair of the least important type becomes
+        one segment holding floor tokens, chosen on the device by the k-means
+        over both segments' keys (the older one holds them). Keeping the floor
+        of every thought instead of dropping some whole is why: ThinKV §6.3
+        (Fig. 11a) finds that keeping nothing of a segment costs accuracy."""
+        pairs = self._floor_pairs()
+        if not pairs:
+            return False
+        _, older, newer = min(pairs)
+        head, gone = self.segments[older], self.segments[newer]
+        kept = min(self.retention[-1], head.kept + gone.kept)
+        self._keep(gone, 0)
+        self._keep(head, kept)
+        gone.level = len(self.retention)
+        for s in self.segments:  # no chains: every member names the head
+            if s.merged_into == newer:
+                s.merged_into = older
+        gone.merged_into = older
+        self.merge_events += 1
+        return True
+
     def targets(self) -> list[int]:
-        """Tokens each (layer, head) keeps per segment, oldest first."""
-        return [s.kept for s in self.segments]
+        """Tokens each (layer, head) keeps per segment, oldest first; a
+        merged segment's entry is -1 - (the index of the segment holding its
+        tokens), which the device reads as that segment (select.tbe_evict)."""
+        return [s.kept if s.merged_into is None else -1 - s.merged_into for s in self.segments]
+
+    def cuts(self, before: Sequence[int]) -> list[tuple[int, int, int]]:
+        """The segments the device cuts now, as (index, tokens held, tokens
+        kept), both beside the current token (in the newest segment): those
+        keeping less than they held per `before` (what each held before this
+        step's decisions). A merge's survivor held both segments' tokens."""
+        newest = len(self.segments) - 1
+        had = list(before)
+        for i, s in enumerate(self.segments):
+            if s.merged_into is not None:
+                had[s.merged_into] += had[i]
+        return [(i, had[i] - (i == newest), s.kept - (i == newest))
+                for i, s in enumerate(self.segments) if s.merged_into is None and s.kept < had[i]]

@@ -7,7 +7,10 @@ centroids at once: no loop over any of them, no host sync.
 Inputs come from the host (policies.thinkv.segments through step_inputs):
 per row the segment targets and the segments it cuts in this step. A slot's
 segment follows from its position: decode step (position - gen_start) //
-refresh, where gen_start is the position of decode step 0.
+refresh, where gen_start is the position of decode step 0. A segment merged
+into an older one (floor="merge") has the target -1 - (that one's index):
+its slots count there, so the k-means of a merge runs over both segments'
+tokens in position order like any other cut.
 
 Layout: the k-means works segment by segment: the slots of each cut
 segment are gathered in position order into [R, H, Kc, N] (Kc cut segments,
@@ -41,6 +44,18 @@ def segment_index(position: torch.Tensor, gen_start: torch.Tensor, refresh: torc
     first). position [R, H, S]; gen_start, refresh, prompt_segments [R]."""
     rel = position - gen_start.view(-1, 1, 1)
     return torch.div(rel, refresh.view(-1, 1, 1), rounding_mode="floor") + prompt_segments.view(-1, 1, 1)
+
+
+def merged_segments(seg: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's segment once merges are followed, and the targets with
+    the merged segments' entries at 0 (no slot maps to them any more).
+    seg [R, H, S] in [0, K); targets [R, K], where -1 - j names segment j.
+    Without merges both come back unchanged (an identity gather)."""
+    R, H, _ = seg.shape
+    K = targets.shape[1]
+    own = torch.arange(K, device=targets.device).expand(R, K)
+    holder = torch.where(targets < 0, -1 - targets, own)
+    return holder.unsqueeze(1).expand(R, H, K).gather(-1, seg), targets.clamp(min=0)
 
 
 def _segment_starts(eligible: torch.Tensor, seg: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +127,12 @@ def tbe_evict(valid: torch.Tensor, position: torch.Tensor, keys: Optional[torch.
     valid/position/seg/current [R, H, S] (seg: each slot's segment index,
     current: the row's newest token, never evicted); keys [R, H, S, D] or
     None; targets [R, K] tokens kept per segment, the current token
-    included. From the host, for the Kc segments each row cuts now:
-    cut_segments [R, Kc] their index (-1: padding), cut_members [R, Kc, N]
-    (index < tokens it holds beside the current one) and cut_centroids
-    [R, Kc, T] (index < tokens it keeps beside the current one); iters [R]
-    k-means updates (max_iters: their maximum, on the host).
+    included (-1 - j: merged into segment j). From the host, for the Kc
+    segments each row cuts now: cut_segments [R, Kc] their index (-1:
+    padding), cut_members [R, Kc, N] (index < tokens it holds beside the
+    current one) and cut_centroids [R, Kc, T] (index < tokens it keeps
+    beside the current one); iters [R] k-means updates (max_iters: their
+    maximum, on the host).
 
     A segment holding more than its target keeps, per (row, head): the
     medoids of a k-means over its keys with one centroid per kept token,
@@ -129,7 +145,7 @@ def tbe_evict(valid: torch.Tensor, position: torch.Tensor, keys: Optional[torch.
     K = targets.shape[1]
     if K == 0:  # no target this step: nothing to cut
         return torch.zeros_like(valid)
-    seg = seg.clamp(0, K - 1)
+    seg, targets = merged_segments(seg.clamp(0, K - 1), targets)
     candidate = valid & ~current
     # The current token counts against its segment's target.
     cur_seg = torch.where(current, seg, torch.zeros_like(seg)).amax(dim=(1, 2))  # [R]
