@@ -130,4 +130,4 @@ def test_listed_in_the_catalog(llama_server):
     entries = {e["id"]: e for e in httpx.get(f"{llama_server.url}/v1/kv_policies", timeout=30).json()["data"]}
     entry = entries["crystalcache"]
     assert entry["description"] and entry["compress_prompt_default"] is True
-    assert set(entry["params"]["properties"]) == {"sinks", "recent", "breath", "decode"}
+    assert set(entry["params"]["properties"]) == {"sinks", "recent", "breath", "decode", "t_max", "tau_merge", "alpha"}

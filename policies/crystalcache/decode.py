@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kvsieve.policies.crystalcache.prefill import TAU_EDGE, Dissolution, branch_dissolve
+from kvsieve.policies.crystalcache.prefill import ALPHA, TAU_EDGE, Dissolution, branch_dissolve
 
 BETA0, D_C = 0.05, 2.0
 THETA_ACT = 0.3
@@ -112,12 +112,14 @@ def hebbian(graph: Graph, active: list[bool]) -> Graph:
 
 
 def breath_cycle(trunks: list[list[int]], impact, mbar: list[float], crystal: list[float], graph: Graph,
-                 inv_key_norm: dict[int, float], budget: int, n_sink: int = 4) -> tuple[Dissolution, Graph]:
+                 inv_key_norm: dict[int, float], budget: int, n_sink: int = 4,
+                 alpha: float = ALPHA) -> tuple[Dissolution, Graph]:
     """(a)-(d) on the trunks still (partly) cached. `budget` is the room left for
-    trunk tokens (the caller subtracts the tokens of the unfinished sentence).
+    trunk tokens (the caller subtracts the tokens of the unfinished sentence);
+    `alpha`: the request's S5 weight, as in the prefill's dissolution.
     Returns the dissolution (kept positions, new D) and the new graph."""
     active = active_trunks(inv_key_norm, trunks)
     crystal = resonate(crystal, graph, active)
     graph = hebbian(graph, active)
     n = max((p for g in trunks for p in g), default=-1) + 1
-    return branch_dissolve(trunks, impact, mbar, crystal, budget, n, n_sink=n_sink, w_recent=0), graph
+    return branch_dissolve(trunks, impact, mbar, crystal, budget, n, n_sink=n_sink, w_recent=0, alpha=alpha), graph

@@ -33,10 +33,11 @@ Between breath cycles nothing is evicted: the decode decision is a no-op
 apart from the first layer's attention accumulation.
 
 Decisions (beyond policies.md):
-  * B = max(floor, budget), floor = max(sinks + recent, sinks + 62): the
-    paper's 4 + 128, and room for the decode phase's protected sink trunk
-    (<= sinks + 31 tokens) plus an unfinished sentence (<= 31 tokens), so a
-    breath cycle can always get down to B. A fixed budget below the floor
+  * B = max(floor, budget), floor = max(sinks + recent, sinks + 2 (t_max - 1)):
+    the paper's 4 + 128, and room for the decode phase's protected sink trunk
+    (<= sinks + t_max - 1 tokens) plus an unfinished sentence (<= t_max - 1
+    tokens), so a breath cycle can always get down to B (sinks + 62 at the
+    default t_max 32). A fixed budget below the floor
     is refused (400, kv_policy.budget).
   * `sinks` counts from the first private token (with compress_prompt off,
     the first generated one); the shared prefix is never evicted anyway.
@@ -44,6 +45,11 @@ Decisions (beyond policies.md):
     over kv heads, scaled by 3 / query heads: the mean head times the
     paper's top-3 heads), from its own query on, until the breath cycle
     that closes its sentence.
+  * T_max, tau_merge and alpha (Table 2; §8 L6: the knobs to tune per
+    task) are per-request params t_max, tau_merge, alpha: prefill_rows takes
+    them per row (tensors; its merge loop runs the batch's largest t_max
+    steps, a no-op past a row's own), the decode trunk table keeps the
+    request's t_max (longest unfinished sentence) and alpha (re-eviction).
   * D decays every step; applied in bulk at each breath cycle (exact for
     the trunks that existed during the cycle; a trunk born in a cycle
     starts decaying at the next one).
@@ -58,7 +64,7 @@ from pydantic import Field
 
 from ..base import Policy, PolicyParams, RequestState
 from .decode import decay_rows
-from .prefill import T_MAX, TAU_CROSS, TAU_INTRA, TOP_HEADS, Dissolution, PrefillResult
+from .prefill import ALPHA, T_MAX, TAU_CROSS, TAU_INTRA, TAU_MERGE, TOP_HEADS, Dissolution, PrefillResult
 from .prefill_batched import prefill_rows
 from .select import evict_outside, keep_table
 from .trunks import CrystalTrunks
@@ -74,12 +80,22 @@ class CrystalCacheParams(PolicyParams):
     breath: int = Field(default=64, ge=1, le=1 << 16,
                         description="decode steps between breath cycles (activation, resonance, Hebbian, re-eviction)")
     decode: bool = Field(default=True, description="run the decode phase (false: prefill selection only)")
+    # The per-task knobs of crystalcache.txt §8 L6 (Table 2 defaults).
+    t_max: int = Field(default=T_MAX, ge=1, le=256,
+                       description="T_max: the largest trunk, in tokens (S2, §3.3; decode: the longest unfinished "
+                                   "sentence). The budget floor grows with it: sinks + 2 * (t_max - 1)")
+    tau_merge: float = Field(default=TAU_MERGE, ge=0.0, le=1.0, allow_inf_nan=False,
+                             description="tau_merge: adjacent sentences merge into one trunk while their interface "
+                                         "co-attention strength (CAS) exceeds it (S2, §3.3; 1: never merge)")
+    alpha: float = Field(default=ALPHA, ge=0.0, le=16.0, allow_inf_nan=False,
+                         description="alpha: weight of the M_i path in score = max(D, alpha * normalized log(1 + M̄)) "
+                                     "(S5, §3.6; also the decode re-eviction; 0: D only)")
 
 
 def budget_floor(params: CrystalCacheParams) -> int:
     """Smallest B: the protected prompt ends, and a decode cycle's protected
     sink trunk plus an unfinished sentence."""
-    return max(params.sinks + params.recent, params.sinks + 2 * (T_MAX - 1))
+    return max(params.sinks + params.recent, params.sinks + 2 * (params.t_max - 1))
 
 
 def effective_budget(params: CrystalCacheParams, budget: int) -> int:
@@ -141,13 +157,13 @@ class CrystalCachePolicy(Policy):
         floor = budget_floor(params)
         if budget is not None and budget < floor:
             return "budget", (f"crystalcache needs a budget of at least {floor} tokens (sinks + recent, and "
-                              f"sinks + {2 * (T_MAX - 1)} for a decode breath cycle)")
+                              f"sinks + {2 * (params.t_max - 1)} for a decode breath cycle)")
         return None
 
     def kept_after_prefill(self, params, private_prompt, budget):
         # Protected trunks (touching the first `sinks` or last `recent`
-        # tokens, up to T_MAX - 1 tokens past each) may exceed B.
-        protected = params.sinks + params.recent + 2 * (T_MAX - 1)
+        # tokens, up to t_max - 1 tokens past each) may exceed B.
+        protected = params.sinks + params.recent + 2 * (params.t_max - 1)
         return min(private_prompt, max(effective_budget(params, budget), protected))
 
     def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
@@ -185,7 +201,11 @@ class CrystalCachePolicy(Policy):
             self._delimiter_ids(device), to_device([effective_budget(p, pa.budget) for p, pa in zip(params, rows)],
                                                    torch.int64, device),
             to_device([p.sinks for p in params], torch.int64, device),
-            to_device([p.recent for p in params], torch.int64, device))
+            to_device([p.recent for p in params], torch.int64, device),
+            t_max=to_device([p.t_max for p in params], torch.int64, device),
+            tau_merge=to_device([p.tau_merge for p in params], torch.float64, device),
+            alpha=to_device([p.alpha for p in params], torch.float64, device),
+            max_t_max=max(p.t_max for p in params))
         for pa in rows:
             pa.state.base = pa.base
         decoding = [(r, pa) for r, pa in enumerate(rows) if pa.state.params.decode]
@@ -236,7 +256,8 @@ class CrystalCachePolicy(Policy):
                 kept = keep[r, :n].nonzero().flatten().tolist()
                 result = PrefillResult(Dissolution(kept, [], crystal[r, :T].tolist()), trunks, impact[r, :n].clone(),
                                        trunk_m[r, :T].tolist(), edges)
-                state.trunks = shifted(CrystalTrunks(result, ids, self._delimiters()), base)
+                state.trunks = shifted(CrystalTrunks(result, ids, self._delimiters(), state.params.t_max,
+                                                    state.params.alpha), base)
 
     def select_prefill(self, batch, view, obs):
         view.score.zero_()
@@ -359,7 +380,7 @@ class CrystalCachePolicy(Policy):
         tokens = [[p for p, _ in st.queued], [t for _, t in st.queued]]
         st.queued = []
         if st.trunks is None:  # prompt kept in the radix cache: trunks from generated tokens only
-            st.trunks = CrystalTrunks(_empty_prefill(), [], self._delimiters())
+            st.trunks = CrystalTrunks(_empty_prefill(), [], self._delimiters(), st.params.t_max, st.params.alpha)
             st.base = min(tokens[0]) if tokens[0] else present[0]
         trunks = st.trunks
         waiting = {p for p, _ in trunks.pending} | set(tokens[0])

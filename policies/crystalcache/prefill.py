@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Table 2 / policies.md constants.
+# Table 2 / policies.md constants. T_MAX, TAU_MERGE and ALPHA are the defaults
+# of the per-request knobs t_max, tau_merge, alpha (CrystalCacheParams).
 CHUNK = 1024
 TOP_HEADS = 3
 M_MIN, M_MAX = 0.1, 20.0
@@ -93,11 +94,13 @@ def interface_strength(edges: Edges, left: list[int], right: list[int]) -> float
     return sum(ws) / len(ws) if ws else 0.0
 
 
-def build_trunks(sents: list[list[int]], edges: Edges, t_max: int = T_MAX) -> list[list[int]]:
-    """S2 steps 2-3: one left-to-right merge pass, then split trunks over t_max."""
+def build_trunks(sents: list[list[int]], edges: Edges, t_max: int = T_MAX,
+                 tau_merge: float = TAU_MERGE) -> list[list[int]]:
+    """S2 steps 2-3: one left-to-right merge pass (CAS > tau_merge), then
+    split trunks over t_max."""
     merged: list[list[int]] = []
     for s in sents:
-        if merged and interface_strength(edges, merged[-1], s) > TAU_MERGE and len(merged[-1]) + len(s) <= t_max:
+        if merged and interface_strength(edges, merged[-1], s) > tau_merge and len(merged[-1]) + len(s) <= t_max:
             merged[-1] = merged[-1] + s
         else:
             merged.append(list(s))
@@ -166,7 +169,8 @@ class Dissolution:
 
 
 def branch_dissolve(trunks: list[list[int]], impact: torch.Tensor, trunk_m: list[float], crystal: list[float],
-                    budget: int, n: int, n_sink: int = N_SINK, w_recent: int = W_RECENT) -> Dissolution:
+                    budget: int, n: int, n_sink: int = N_SINK, w_recent: int = W_RECENT,
+                    alpha: float = ALPHA) -> Dissolution:
     """S5 + S6 (Algorithm 1): score = max(D, alpha * minmax(log(1 + M̄))) over the
     unprotected trunks; bottom-up proportional retention with the N_MIN rule,
     then M_i-ranked tokens in the partially kept trunk."""
@@ -179,7 +183,7 @@ def branch_dissolve(trunks: list[list[int]], impact: torch.Tensor, trunk_m: list
     if cut > 0 and alive:  # nothing alive: protected trunks are all kept
         logs = {t: math.log1p(trunk_m[t]) for t in alive}
         lo, hi = min(logs.values()), max(logs.values())
-        score = {t: max(crystal[t], ALPHA * (logs[t] - lo) / (hi - lo + EPS)) for t in alive}
+        score = {t: max(crystal[t], alpha * (logs[t] - lo) / (hi - lo + EPS)) for t in alive}
         for t in sorted(alive, key=lambda t: (score[t], t)):  # ties: earlier trunk first
             if cut <= 0:
                 break
@@ -215,13 +219,15 @@ class PrefillResult:
 
 
 def prefill_keep(attn: torch.Tensor, token_ids: list[int], delimiters: frozenset[int], budget: int,
-                 chunk: int = CHUNK) -> PrefillResult:
-    """S1-S6 end to end on one private prompt."""
+                 chunk: int = CHUNK, t_max: int = T_MAX, tau_merge: float = TAU_MERGE,
+                 alpha: float = ALPHA) -> PrefillResult:
+    """S1-S6 end to end on one private prompt (T_max, tau_merge, alpha: the
+    request's knobs, Table 2 defaults)."""
     n = len(token_ids)
     saliency, edges = saliency_and_edges(attn, chunk)
     impact = encoding_impact(saliency, token_ids)
-    trunks = build_trunks(sentences(token_ids, delimiters), edges)
+    trunks = build_trunks(sentences(token_ids, delimiters), edges, t_max, tau_merge)
     trunk_m = [trunk_impact(impact, g) for g in trunks]
     graph = trunk_graph(trunks, edges)
     crystal = crystallization(len(trunks), graph)
-    return PrefillResult(branch_dissolve(trunks, impact, trunk_m, crystal, budget, n), trunks, impact, trunk_m, graph)
+    return PrefillResult(branch_dissolve(trunks, impact, trunk_m, crystal, budget, n, alpha=alpha), trunks, impact, trunk_m, graph)

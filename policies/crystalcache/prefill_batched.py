@@ -7,9 +7,11 @@ positions.
 
 How the sequential parts become batched:
   * S2's left-to-right merge: a group starting at sentence start g takes
-    the following sentences while the interface is strong and the group
-    stays within T_MAX tokens, so its end f(g) depends on g alone (T_MAX
-    steps of gathers for every g at once); the groups are the orbit of 0
+    the following sentences while the interface is strong (> the row's
+    tau_merge) and the group stays within the row's T_max tokens, so its
+    end f(g) depends on g alone (max T_max steps of gathers for every g at
+    once: a row's group takes at most its T_max - 1 sentences, the later
+    steps change nothing there); the groups are the orbit of 0
     under f, found by pointer doubling (log2 N steps).
   * S6's bottom-up retention: trunks sorted by (score, index); the cut left
     before trunk k is cut - (sizes before k), so which trunks go whole and
@@ -48,12 +50,22 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_rows(saliency, intra_index, intra_weight, cross_index, cross_weight, ids, length, delimiters,
-                 budget, sinks, recent) -> PrefillRows:
+                 budget, sinks, recent, t_max=None, tau_merge=None, alpha=None, max_t_max=None) -> PrefillRows:
     """saliency [E, N]; intra_* [E, N, K_INTRA]; cross_* [E, N, K_CROSS];
     ids [E, N] int64; length, budget, sinks, recent [E] int64; delimiters
-    [K] int64 token ids. Every tensor on one device."""
+    [K] int64 token ids; the rows' knobs t_max [E] int64, tau_merge and
+    alpha [E] float64 (None: Table 2's T_MAX, TAU_MERGE, ALPHA for every
+    row) and max_t_max, the host's largest t_max (bounds the merge loop).
+    Every tensor on one device."""
     E, N = ids.shape
     dev = ids.device
+    if t_max is None:
+        t_max, max_t_max = torch.full((E,), T_MAX, dtype=torch.int64, device=dev), T_MAX
+    elif max_t_max is None:
+        max_t_max = int(t_max.max()) if E else T_MAX  # a read: callers on the device pass the host's maximum
+    tau_merge = torch.full((E,), TAU_MERGE, dtype=F64, device=dev) if tau_merge is None else tau_merge.to(F64)
+    alpha = torch.full((E,), ALPHA, dtype=F64, device=dev) if alpha is None else alpha.to(F64)
+    t_max = t_max.long()
     pos = torch.arange(N, device=dev).expand(E, N)
     real = pos < length.unsqueeze(1)
     big = torch.iinfo(torch.int64).max
@@ -121,12 +133,13 @@ def prefill_rows(saliency, intra_index, intra_weight, cross_index, cross_weight,
     cur = end_of.clone()  # a group starting at g ends after g's sentence ...
     active = torch.ones(E, N + 1, dtype=torch.bool, device=dev)
     limit = length.unsqueeze(1)
-    for _ in range(T_MAX):  # ... and takes up to T_MAX more sentences
+    row_t_max, row_tau = t_max.unsqueeze(1), tau_merge.unsqueeze(1)
+    for _ in range(max_t_max):  # ... and takes up to T_max - 1 more sentences
         b = cur.clamp(max=N)
         left = (b - group).clamp(1, INTERFACE)
         s_b = strength.gather(1, b.unsqueeze(2).expand(E, N + 1, INTERFACE)).gather(2, (left - 1).unsqueeze(2))[..., 0]
         e = end_of.gather(1, b)
-        merge = active & (cur < limit) & (s_b > TAU_MERGE) & (e - group <= T_MAX)
+        merge = active & (cur < limit) & (s_b > row_tau) & (e - group <= row_t_max)
         cur = torch.where(merge, e, cur)
         active = merge
     jump = torch.where(group < limit, cur, group)  # f(g); the end maps to itself
@@ -137,13 +150,13 @@ def prefill_rows(saliency, intra_index, intra_weight, cross_index, cross_weight,
         jump = jump.gather(1, jump)
     group_start = (reach[:, :N] > 0) & real
 
-    # ----- S2 step 3: groups over T_MAX split into near-equal trunks ----------
+    # ----- S2 step 3: groups over T_max split into near-equal trunks ----------
     gs = torch.where(group_start, pos, -1).cummax(1).values
     ge = torch.where(group_start, pos, big)
     ge = torch.cat([ge[:, 1:], torch.full((E, 1), big, device=dev)], dim=1).flip(1).cummin(1).values.flip(1)
     ge = torch.minimum(ge, length.unsqueeze(1))
     size_g = (ge - gs).clamp(min=1)
-    pieces = (size_g + T_MAX - 1) // T_MAX
+    pieces = (size_g + row_t_max - 1) // row_t_max
     offset = pos - gs
     trunk_start = offset == 0
     guess = (offset * pieces) // size_g
@@ -216,7 +229,7 @@ def prefill_rows(saliency, intra_index, intra_weight, cross_index, cross_weight,
     logs = torch.log1p(trunk_m)
     low = torch.where(alive, logs, torch.inf).min(1, keepdim=True).values
     high = torch.where(alive, logs, -torch.inf).max(1, keepdim=True).values
-    score = torch.maximum(crystal, ALPHA * (logs - low) / (high - low + EPS))
+    score = torch.maximum(crystal, alpha.unsqueeze(1) * (logs - low) / (high - low + EPS))
     order = torch.where(alive, score, torch.inf).argsort(dim=1, stable=True)  # ties: earlier trunk first
     sorted_size = torch.where(alive, size, 0).gather(1, order)
     left_sorted = cut.unsqueeze(1) - _exclusive_cumsum(sorted_size)

@@ -8,8 +8,8 @@ Decisions (policies.md marks the first; the rest are ours):
     its rarity counts the ids of prompt and generated tokens so far.
   * A new trunk enters with D = 0.5 (logistic of a zero z-score: no edges
     are known for it yet) and no graph edges.
-  * An unfinished sentence reaching T_MAX tokens is closed as a trunk, so
-    the unjudged tail (always kept) stays bounded by T_MAX.
+  * An unfinished sentence reaching T_max tokens (the request's t_max) is
+    closed as a trunk, so the unjudged tail (always kept) stays bounded by T_max.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from collections import Counter
 import torch
 
 from .decode import BREATH, breath_cycle, decay_crystal
-from .prefill import M_MAX, M_MIN, T_MAX, PrefillResult, trunk_impact
+from .prefill import ALPHA, M_MAX, M_MIN, T_MAX, PrefillResult, trunk_impact
 
 
 class CrystalTrunks:
-    def __init__(self, prefill: PrefillResult, token_ids: list[int], delimiters: frozenset[int]):
+    def __init__(self, prefill: PrefillResult, token_ids: list[int], delimiters: frozenset[int],
+                 t_max: int = T_MAX, alpha: float = ALPHA):
         kept = set(prefill.dissolution.kept)
+        self.t_max = t_max  # the request's T_max: longest unfinished sentence
+        self.alpha = alpha  # the request's alpha for the re-eviction's score (S5)
         self.delimiters = delimiters
         self.counts = Counter(token_ids)
         impact = prefill.impact.tolist()
@@ -45,7 +48,7 @@ class CrystalTrunks:
     def add_token(self, position: int, token_id: int) -> None:
         self.counts[token_id] += 1
         self.pending.append((position, token_id))
-        if token_id in self.delimiters or len(self.pending) >= T_MAX:
+        if token_id in self.delimiters or len(self.pending) >= self.t_max:
             self._close_sentence()
 
     def _close_sentence(self) -> None:
@@ -80,7 +83,7 @@ class CrystalTrunks:
                                                                                   dtype=torch.float64)
         out, graph = breath_cycle([self.trunks[t] for t in live], impact, [self.trunk_m[t] for t in live],
                                   [self.crystal[t] for t in live], graph, inv_key_norm,
-                                  budget - len(self.pending), n_sink)
+                                  budget - len(self.pending), n_sink, alpha=self.alpha)
         kept = set(out.kept)
         for i, t in enumerate(live):
             self.trunks[t] = [p for p in self.trunks[t] if p in kept]
