@@ -17,7 +17,12 @@ SPECIAL = {
     "full": ("full", 24),
     # Prompt in the region, cut layer-wide at its end.
     "longflow": ({"name": "longflow", "budget": 8}, 24),
-    "thinkv": ({"name": "thinkv", "budget": 10}, 24),
+    # Segments of 8 steps: closed segments anneal (TBE) within the budget.
+    # With the default refresh 128 a budget of 10 cuts the open segment at
+    # every step once it holds 11 (policies/thinkv/segments.py, last
+    # resort), a k-means keeping 10 of 11 keys: a near tie that the float
+    # order of one rank's heads against two's flipped (2026-11-27).
+    "thinkv": ({"name": "thinkv", "budget": 10, "params": {"refresh": 8}}, 24),
     # One index set from every rank's first-layer heads: a 200-token prompt
     # cut to 132 at its end (the probe), then a breath cycle at step 64.
     "crystalcache": ({"name": "crystalcache", "budget": 132}, 72),
