@@ -64,26 +64,26 @@ DEFAULT_SHARE = 0.25
 DEFAULT_ROWS = 1024
 
 
-def planned_head_tokens(context_len: int) -> int:
-    raw = os.environ.get(HEAD_TOKENS_ENV, str(DEFAULT_HEAD_TOKENS))
+def _whole_number_env(name: str, default: int, unit: str, minimum: int, why: str) -> int:
+    raw = os.environ.get(name, str(default))
     try:
-        tokens = int(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{HEAD_TOKENS_ENV}={raw!r}: must be a whole number of tokens") from None
-    if tokens < 16:
-        raise ValueError(f"{HEAD_TOKENS_ENV}={raw}: must be at least 16 (tokens one (layer, kv head) may hold)")
+        raise ValueError(f"{name}={raw!r}: must be a whole number of {unit}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw}: {why}")
+    return value
+
+
+def planned_head_tokens(context_len: int) -> int:
+    tokens = _whole_number_env(HEAD_TOKENS_ENV, DEFAULT_HEAD_TOKENS, "tokens", 16,
+                               "must be at least 16 (tokens one (layer, kv head) may hold)")
     return min(tokens, max(context_len, 16))
 
 
 def deferred_obs_columns() -> int:
-    raw = os.environ.get(DEFERRED_OBS_COLUMNS_ENV, str(DEFAULT_DEFERRED_OBS_COLUMNS))
-    try:
-        columns = int(raw)
-    except ValueError:
-        raise ValueError(f"{DEFERRED_OBS_COLUMNS_ENV}={raw!r}: must be a whole number of page-table columns") from None
-    if columns < 0:
-        raise ValueError(f"{DEFERRED_OBS_COLUMNS_ENV}={raw}: must be >= 0 (0: groups always inside the layers)")
-    return columns
+    return _whole_number_env(DEFERRED_OBS_COLUMNS_ENV, DEFAULT_DEFERRED_OBS_COLUMNS, "page-table columns", 0,
+                             "must be >= 0 (0: groups always inside the layers)")
 
 
 def deferred_obs_bytes(rows: int, num_layers: int, kv_heads: int, page_size: int) -> int:

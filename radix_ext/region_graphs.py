@@ -555,22 +555,29 @@ class RegionGraphs:
             self._group_layers(backend, group, gentry, layers, obs)
 
     def _group_layers(self, backend, group, gentry: Optional[_GroupEntry], layers, obs) -> None:
+        self._group_segment(backend, group, gentry, ALL_LAYERS, list(zip(layers, obs)))
+
+    def _group_segment(self, backend, group, gentry: Optional[_GroupEntry], key, passes: list) -> None:
+        """One group's pass over `passes` ((layer, observations) pairs):
+        eagerly on the live group where it has no segment; else the
+        segment's graph under `key` (a layer id, or ALL_LAYERS) replayed, or
+        run on the static group and captured."""
         if gentry is None or gentry.eager:
-            for layer, layer_obs in zip(layers, obs):
+            for layer, layer_obs in passes:
                 backend.decode_group(group, layer, layer_obs)  # eagerly, on the live group
             return
         self.watch_table(backend.pages.table)
         if gentry.generation != self.observations.generation or gentry.table_version != self.table_version:
             gentry.graphs.clear()  # they read observation buffers or a page table that have grown since
             gentry.generation, gentry.table_version = self.observations.generation, self.table_version
-        graph = gentry.graphs.get(ALL_LAYERS)
+        graph = gentry.graphs.get(key)
         if graph is not None:
             graph.replay()
-            self.group_replays += len(layers)
+            self.group_replays += len(passes)
             return
 
         def group_pass():
-            for layer, layer_obs in zip(layers, obs):
+            for layer, layer_obs in passes:
                 backend.decode_group(gentry.group, layer, layer_obs)
 
         faults_before = faults.count
@@ -582,8 +589,8 @@ class RegionGraphs:
             gentry.eager = True
             gentry.graphs.clear()
         else:
-            gentry.graphs[ALL_LAYERS] = captured
-            self.group_captures += len(layers)
+            gentry.graphs[key] = captured
+            self.group_captures += len(passes)
 
     def _attend(self, backend, entry: _Entry, layer):
         """The attention segment of this layer: replayed, or run eagerly on
@@ -618,36 +625,9 @@ class RegionGraphs:
         return entry.obs[lid]
 
     def _group(self, backend, group, gentry: Optional[_GroupEntry], layer, obs) -> None:
-        lid = layer.layer_id
-        if gentry is None or gentry.eager:
-            backend.decode_group(group, layer, obs)  # eagerly, on the live group
-            return
-        if backend.group_idle(gentry.group, layer):
+        if gentry is not None and not gentry.eager and backend.group_idle(gentry.group, layer):
             return  # nothing to run (or capture: an empty graph)
-        self.watch_table(backend.pages.table)
-        if gentry.generation != self.observations.generation or gentry.table_version != self.table_version:
-            gentry.graphs.clear()  # they read observation buffers or a page table that have grown since
-            gentry.generation, gentry.table_version = self.observations.generation, self.table_version
-        graph = gentry.graphs.get(lid)
-        if graph is not None:
-            graph.replay()
-            self.group_replays += 1
-            return
-
-        def group_pass():
-            backend.decode_group(gentry.group, layer, obs)
-
-        faults_before = faults.count
-        group_pass()
-        if faults.count != faults_before:  # a pass in which the group failed is not one to replay
-            return
-        captured = self._try_capture(group_pass)
-        if captured is None:
-            gentry.eager = True
-            gentry.graphs.clear()
-        else:
-            gentry.graphs[lid] = captured
-            self.group_captures += 1
+        self._group_segment(backend, group, gentry, layer.layer_id, [(layer, obs)])
 
     def _count_capture(self, layer_id: int) -> None:
         self.captures += 1
