@@ -53,12 +53,13 @@ def reallocate_budgets(crf: torch.Tensor, budgets: torch.Tensor, min_head_budget
     reallocations), at least the floor per head. The weights read `budgets`
     only through ratios, so a total other than theirs scales them evenly."""
     budgets = budgets.to(torch.int64)
+    held = int(budgets.sum().item())  # host tensors (read back between steps): no device sync
     if total is None:
-        total = int(budgets.sum().item())
+        total = held
     if not bool((crf > 0).any()):
-        if total == int(budgets.sum().item()):
+        if total == held:
             return budgets.clone()
-        return largest_remainder(budgets.double() * (total / max(int(budgets.sum().item()), 1)), total)
+        return largest_remainder(budgets.double() * (total / max(held, 1)), total)
     heads = budgets.numel()
     floor = min(min_head_budget, total // heads)
     weights = share_weights(crf, budgets)
