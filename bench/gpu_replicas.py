@@ -343,11 +343,14 @@ class Serve:
         if args.device == "cuda":
             env["KVSIEVE_SGLANG_ARGS"] = json.dumps(args.sglang_args)
             env.update(args.region_env)
+        # Not the repo root: Ray puts the driver's directory first on its workers'
+        # sys.path, and the root's bare kvsieve/__init__.py would hide the
+        # installed package from them (no kvsieve.service: every deployment fails).
         self.command = shlex.join(cmd)
         self.env_shown = {k: v for k, v in env.items() if k.startswith(("KVSIEVE_", "NCCL_", "CUDA_VISIBLE"))}
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=str(REPO))
+                                     start_new_session=True, cwd=str(store.parent))
 
     def log_tail(self, chars: int = 3000) -> str:
         try:

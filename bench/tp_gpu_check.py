@@ -154,6 +154,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_sized_region_pages(model: Path, tp: int, page_size: int = 16) -> int:
+    """The region a CPU server of this model gets (the token pool's size per
+    (layer, kv head) of this rank). On CUDA the region is otherwise carved
+    from mem_fraction_static's whole budget: for these toy models tens of GB,
+    whose pass scratch alone outgrows the workspace share, and whose size on
+    the TP 1 server's GPU would unbalance a TP 2 server starting beside it."""
+    config = json.loads((model / "config.json").read_text())
+    heads = max(1, config["num_key_value_heads"] // tp)
+    return MAX_TOTAL_TOKENS * config["num_hidden_layers"] * heads // page_size
+
+
 class Server:
     def __init__(self, model: Path, tp: int, device: str, log_dir: Path, gpu: int | None = None):
         self.port = free_port()
@@ -164,6 +175,8 @@ class Server:
                "--model", str(model), "--device", device, "--dtype", "float32", "--tp-size", str(tp),
                "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--port", str(self.port), "--log-level", "warning"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSIEVE_TP_NATIVE_OPS": "1" if device == "cuda" else "0"}
+        if device == "cuda":
+            env["KVSIEVE_REGION_PAGES"] = str(cpu_sized_region_pages(model, tp))
         if gpu is not None and device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env)
