@@ -1,7 +1,7 @@
 """Issue #31's results, from the device calls' files into the repo's record:
 
     python3 bench/multi_gpu_report.py --tp A/tp/gpu-tp.json --smoke-tp1 A/smoke-tp1.json \\
-        --smoke-tp2 C/smoke-tp2.json --replicas B/gpu-replicas.json [--write]
+        --smoke-tp2 C/smoke-tp2.json --replicas B/gpu-replicas.json [--replicas B2/...] [--write]
 
 Prints markdown tables for docs/gpu-kernels.md and docs/scale.md: the TP 2
 vs TP 1 check per model; the headline's points (tokens/s, TPOT, rows) and the
@@ -110,16 +110,48 @@ def replicas(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def merge_replicas(runs: list[dict]) -> dict:
+    """One record from gpu_replicas runs on one host (a call's --deadline may
+    skip a set-up that a later call then runs): a set-up's first run that
+    loaded wins, the kill test likewise; scaling, hit rates and ok are
+    recomputed over the merged set-ups."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = json.loads(json.dumps(runs[0]))
+    merged["commands"] = [r["command"] for r in runs]
+    for later in runs[1:]:
+        for name, setup in later["setups"].items():
+            if (merged["setups"].get(name) or {}).get("load") is None and setup.get("load") is not None:
+                merged["setups"][name] = setup
+        if not (merged.get("kill") or {}).get("ok") and later.get("kill") and "error" not in later["kill"]:
+            merged["kill"] = later["kill"]
+    setups = merged["setups"]
+    base = next((s["load"] for s in setups.values() if s.get("replicas") == 1 and s.get("load")), None)
+    merged["scaling"] = {}
+    for s in setups.values():
+        if base and s.get("load") and base.get("goodput_tok_s"):
+            merged["scaling"].setdefault(str(s["replicas"]), {})[s["routing"]] = round(
+                s["load"]["goodput_tok_s"] / base["goodput_tok_s"], 3)
+    merged["radix_hit_rate"] = {name: (s.get("load") or {}).get("radix_hit_rate") for name, s in setups.items()}
+    loaded = all(s.get("load") and s["load"].get("errors") == 0 for s in setups.values())
+    merged["ok"] = bool(loaded and (merged.get("kill") or {}).get("ok"))
+    merged["elapsed_s"] = round(sum(r.get("elapsed_s") or 0 for r in runs), 1)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp")
     ap.add_argument("--smoke-tp1")
     ap.add_argument("--smoke-tp2")
-    ap.add_argument("--replicas")
+    ap.add_argument("--replicas", action="append", default=[],
+                    help="a gpu_replicas JSON; repeat for runs of one host that split the set-ups")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--results", default=str(REPO / "bench/results"))
     args = ap.parse_args(argv)
-    tp, one, two, rep = load(args.tp), load(args.smoke_tp1), load(args.smoke_tp2), load(args.replicas)
+    tp, one, two, rep = load(args.tp), load(args.smoke_tp1), load(args.smoke_tp2), None
+    if args.replicas:
+        rep = merge_replicas([load(path) for path in args.replicas])
     parts = []
     if tp:
         parts.append(tp_check(tp))
