@@ -53,7 +53,9 @@ holds at the budget) of 64-token prompts decoding --headline-budget (1024) +
 2 x --headline-tail (64) tokens, greedy, the window opening once every
 request holds the budget; each run cut after --headline-timeout s (120;
 then `timed_out` with the tokens generated until then). Recorded under
-`headline` (tokens/s, TPOT p50/p99, rows). TP 2 against TP 1 on one host,
+`headline` (tokens/s, TPOT p50/p99, rows). A built-in preset's name
+(`--headline rkv-paper,thinkv-paper`, issue #30) runs the preset's own
+kv_policy at its own budget (headline_point). TP 2 against TP 1 on one host,
 one device call (see bench/MULTI_GPU_CALLS.md):
 
     python3 bench/gpu_smoke.py --tp 2 --rows 256 --headline streaming,thinkv --headline-rows 128 --deadline 420 --out $OUT/smoke-tp2.json
@@ -141,8 +143,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "--tokens 24 --kv-tokens 16384 (explicit options win)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (tp_size); the region's pages are "
                                                       "split over them")
-    ap.add_argument("--headline", default="", help="comma list of policies: gpu_headline.py's steady-window "
-                                                   "points in this engine before the gate (e.g. streaming,thinkv)")
+    ap.add_argument("--headline", default="", help="comma list of policies or built-in presets (rkv-paper, ...): "
+                    "gpu_headline.py's steady-window points in this engine before the gate (e.g. streaming,thinkv)")
     ap.add_argument("--headline-budget", type=int, default=None, help="default 1024 (16 with --quick)")
     ap.add_argument("--headline-tail", type=int, default=None, help="default 64 (8 with --quick)")
     ap.add_argument("--headline-rows", type=int, default=None, help="default: the gate's rows")
@@ -505,6 +507,34 @@ def region_after(timeout: float = 15) -> dict:
 
 # ----- the headline's points (--headline) -----
 
+def headline_point(name: str, budget: int, tail: int, split: dict, shape: dict) -> dict:
+    """What one --headline name runs: a policy {name, budget} at the headline's
+    budget, its rows the region's tokens per (layer, head) over gpu_headline's
+    ceiling (budget + a stream interval); a built-in preset (issue #30: rkv-paper,
+    ...) its own kv_policy, with the headline's budget only where the preset
+    leaves it open, its rows from the ceiling admission reserves for it
+    (rkv-paper's 128-token buffer, longflow-paper's 3,200 budget). Each runs
+    budget + 2 x tail tokens and opens its window at its budget; a preset with a
+    budget_ratio (crystalcache's, prompt-only) at the headline's budget."""
+    import gpu_headline as gh
+    from kvsieve.service.presets import builtin_presets
+
+    presets = builtin_presets()
+    if name not in presets:
+        ceiling = -(-(budget + gh.STREAM_INTERVAL + 1) // PAGE) * PAGE
+        return {"preset": False, "kv_policy": {"name": name, "budget": budget}, "budget": budget,
+                "tokens": budget + 2 * tail, "region_fit_rows": split["region_tokens_per_layer_head"] // ceiling}
+    kv_policy = presets[name]
+    if "budget" not in kv_policy and "budget_ratio" not in kv_policy:
+        kv_policy["budget"] = budget
+    own = kv_policy.get("budget", budget)
+    tokens = own + 2 * tail
+    pages = pages_per_head(kv_policy["name"], kv_policy, gh.SHORT_PROMPT, tokens)
+    per_row = shape["layers"] * shape["kv_heads"] * pages if pages else None
+    return {"preset": True, "kv_policy": kv_policy, "budget": own, "tokens": tokens,
+            "region_fit_rows": split["region_pages"] // per_row if per_row else None}
+
+
 def headline_points(engine, args, split: dict, shape: dict, engine_rows, gate_rows: int, results: dict, save,
                     t0: float) -> None:
     """bench/gpu_headline.py's kvsieve points (steady window once every request
@@ -512,14 +542,15 @@ def headline_points(engine, args, split: dict, shape: dict, engine_rows, gate_ro
     import gpu_headline as gh
 
     gh.VOCAB_IDS = (min(1000, shape["vocab"] // 4), min(100000, shape["vocab"]))
-    budget, tail = args.headline_budget, args.headline_tail
-    # gpu_headline's row count at a budget: the rows whose ceilings the region holds at once.
-    ceiling = -(-(budget + gh.STREAM_INTERVAL + 1) // PAGE) * PAGE
-    fit = split["region_tokens_per_layer_head"] // ceiling
-    rows = min(r for r in (args.headline_rows or gate_rows, fit, engine_rows) if r)
+    tail = args.headline_tail
     for name in args.headline:
+        point = headline_point(name, args.headline_budget, tail, split, shape)
+        budget, fit = point["budget"], point["region_fit_rows"]
+        rows = min(r for r in (args.headline_rows or gate_rows, fit, engine_rows) if r)
         entry = {"policy": name, "budget": budget, "rows": rows, "region_fit_rows": fit, "tp": args.tp,
-                 "generated_tokens": budget + 2 * tail, "temperature": 0.0, "method": "gpu_headline.timed_run"}
+                 "generated_tokens": point["tokens"], "temperature": 0.0, "method": "gpu_headline.timed_run"}
+        if point["preset"]:
+            entry.update(preset=name, kv_policy=point["kv_policy"])
         left = args.deadline - (time.monotonic() - t0) if args.deadline else None
         if left is not None and left < 30:
             entry.update(error=f"skipped: past --deadline {args.deadline:.0f} s")
@@ -527,8 +558,7 @@ def headline_points(engine, args, split: dict, shape: dict, engine_rows, gate_ro
             timeout = args.headline_timeout if left is None else max(10.0, min(args.headline_timeout, left - 15))
             try:
                 entry.update(gh.timed_run(engine, gh.prompts(rows, gh.SHORT_PROMPT, 7),
-                                          gh.params(budget + 2 * tail, {"name": name, "budget": budget}), budget,
-                                          timeout=timeout))
+                                          gh.params(point["tokens"], point["kv_policy"]), budget, timeout=timeout))
             except Exception as exc:  # noqa: BLE001 - recorded; the gate runs next
                 entry.update(error=f"{type(exc).__name__}: {exc}"[:400])
             entry["region_after"] = region_after()
@@ -602,9 +632,13 @@ def main(argv: list[str]) -> int:
     model = model_dir(args.model)
     shape = model_shape(model)
     names = args.policies.split(",") if args.policies else policy_names()
-    unknown = sorted(set(names + args.headline) - set(policy_names()))
+    from kvsieve.service.presets import builtin_presets
+
+    unknown = sorted((set(names) - set(policy_names())) | (set(args.headline) - set(policy_names())
+                                                           - set(builtin_presets())))
     if unknown:
-        raise SystemExit(f"unknown policies {unknown}; registered: {','.join(policy_names())}")
+        raise SystemExit(f"unknown policies {unknown}; registered: {','.join(policy_names())}; --headline also "
+                         f"takes the built-in presets {','.join(builtin_presets())}")
     specs = policy_specs(names, args.budget)
     split = memory_split(args, shape)
     # Per rank: each holds its share of the kv heads' pages (gpu_headline.py's --tp).
