@@ -37,9 +37,12 @@ def run_parser(sub) -> None:
     p.add_argument("--model", help="local HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--url", help="a running kvsieve server serving --model (default: start one)")
     p.add_argument("--tasks", default="math,needle,da", help="comma list of math, needle, da")
-    p.add_argument("--policies", default="all", help="comma list, or all (every registered policy)")
+    p.add_argument("--policies", default="all",
+                   help="comma list of policies and built-in presets (e.g. rkv,rkv-paper: a preset runs at the "
+                        "cell's budget), or all (every registered policy)")
     p.add_argument("--budgets", default="64,256,f0.1,f0.4,ref",
-                   help="comma list: N tokens, fX (fraction of full's KV), rX (budget_ratio), ref")
+                   help="comma list: N tokens, fX (fraction of full's KV), rX (budget_ratio), ref, preset (a "
+                        "preset's own budget; presets only)")
     p.add_argument("--math", type=int, default=20, help="math problems (default 20)")
     p.add_argument("--math-seed", type=int, default=0)
     p.add_argument("--math-max-tokens", type=int, default=512)
@@ -55,6 +58,10 @@ def run_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight (default 1: solo); above 1 the requests of several cells share a "
                         "batch (every cell's items are queued in grid order)")
+    p.add_argument("--item-slice", metavar="START:END",
+                   help="run only these items of each task (Python slice of the task's list, e.g. 16:32); the "
+                        "file records every item, and a sliced cell stays not done (the report compares it with "
+                        "other cells on the items both answered)")
     p.add_argument("--items-file", help="the built items as JSON: read when it exists (the same tasks and "
                                         "config), else built and written (a host without reasoning-gym "
                                         "runs from a file made elsewhere)")
@@ -67,15 +74,17 @@ def run(args) -> int:
 
     from kvsieve.policies import policy_names
 
-    from .runner import Results, new_meta, parse_budget, plan, run_grid, serve_device, total_items
+    from .runner import (Results, builtin_presets, new_meta, parse_budget, plan, preset_of, run_grid,
+                         serve_device, total_items)
     from .server import Client, serve
     from .tasks import TaskConfig, load_or_build_items
 
     tasks = _csv(args.tasks)
     policies = policy_names() if args.policies == "all" else _csv(args.policies)
-    unknown = [p for p in policies if p not in policy_names()]
+    unknown = [p for p in policies if p not in policy_names() and preset_of(p) is None]
     if unknown:
-        print(f"unknown policies: {', '.join(unknown)} (policies: {', '.join(policy_names())})", file=sys.stderr)
+        print(f"unknown policies: {', '.join(unknown)} (policies: {', '.join(policy_names())}; built-in "
+              f"presets: {', '.join(sorted(builtin_presets()))})", file=sys.stderr)
         return 2
     budgets = _csv(args.budgets)
     try:
@@ -83,6 +92,9 @@ def run(args) -> int:
             parse_budget(b)
     except ValueError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    if "preset" in budgets and not any(preset_of(p) for p in policies):
+        print("budget 'preset' is a preset's own budget: name a built-in preset in --policies", file=sys.stderr)
         return 2
     if args.model:
         model_dir = str(Path(args.model).resolve())
@@ -103,6 +115,14 @@ def run(args) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    all_items = items
+    if args.item_slice:
+        try:
+            start, end = (int(x) if x else None for x in args.item_slice.split(":"))
+        except ValueError:
+            print(f"--item-slice {args.item_slice!r}: want START:END", file=sys.stderr)
+            return 2
+        items = {t: its[start:end] for t, its in items.items()}
     cells = plan(tasks, policies, budgets)
     command = "python -m bench.eval " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -113,7 +133,8 @@ def run(args) -> int:
         with tqdm(total=total_items(items, cells), desc="eval grid", unit="req", file=sys.stderr,
                   dynamic_ncols=True) as bar:
             counts = run_grid(client, results, items, cells, args.concurrency, progress=bar.update,
-                              on_cell=lambda c: bar.set_postfix_str(c.key), compress_mode=args.compress_prompt)
+                              on_cell=lambda c: bar.set_postfix_str(c.key), compress_mode=args.compress_prompt,
+                              all_items=all_items)
         client.close()
         print(f"{args.out}: {counts['ran']} requests run, {counts['skipped']} already done, "
               f"{counts['errors']} answered with an error", file=sys.stderr)

@@ -9,6 +9,8 @@ per-item `fX` fractions and `ref` are not points):
 - quality: the mean over tasks of the accuracy relative to `full` on that
   task; on a task where `full` scores 0 the ratio means nothing, and the
   final-answer agreement with `full` stands in for it.
+A built-in preset's cells (`rkv-paper`, ...) are not points: `auto` picks
+among policies.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from statistics import mean
 from typing import Optional
 
-from .runner import parse_budget
+from .runner import parse_budget, preset_of
 from .summary import summarize
 
 QUALITY_DEFINITION = ("mean over tasks of accuracy / full's accuracy on the task; on a task where full scores 0, "
@@ -49,7 +51,7 @@ def points(data: dict, compress_prompt: Optional[bool] = None) -> list[dict]:
     full = {c["task"]: c for c in cells if c["policy"] == "full"}
     groups: dict[tuple, dict] = {}
     for c in cells:
-        if c["policy"] != "full" and c["budget"] != "ref":
+        if c["policy"] != "full" and c["budget"] != "ref" and preset_of(c["policy"]) is None:
             groups.setdefault((c["policy"], c["budget"]), {})[c["task"]] = c
     out = [{"kv_policy": {"name": "full"}, "kv_fraction": 1.0, "quality": 1.0,
             "accuracy": {t: full[t].get("accuracy") for t in tasks if t in full}}]

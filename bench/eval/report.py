@@ -6,6 +6,8 @@ Plots (PREFIX defaults to `eval`):
                         agreement vs KV fraction, against full and the no-eviction reference
   PREFIX-<recall file>.png top-10 attended-token recall vs budget (with --recall)
   PREFIX-throughput.png (from bench/results/gpu-headline.json, when given with --throughput)
+  PREFIX-presets-NAME.png accuracy vs client-side decode speed, each built-in
+                        preset's cell beside its fast default's (when the file has preset cells)
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .summary import summarize
+from .runner import base_policy, preset_of
+from .summary import speed, summarize
 
 TASK_TITLES = {"math": "GSM-style math (math-verify)", "needle": "needle in a haystack (exact match)",
                "da": "delayed association (exact match)"}
@@ -26,6 +29,8 @@ def _budget_order(label: str) -> tuple:
         return (0, 0.0)
     if label == "ref":
         return (4, 0.0)
+    if label == "preset":
+        return (5, 0.0)
     kind = {"f": 1, "r": 2}.get(label[0], 3)
     return (kind, float(label[1:] if kind in (1, 2) else label))
 
@@ -325,6 +330,138 @@ def plot_throughput(path: Path, out: Path) -> None:
     plt.close(fig)
 
 
+def preset_pairs(data: dict, cells: list[dict]) -> list[tuple[dict, dict]]:
+    """(preset cell, its fast default's cell) on the items both answered:
+    the base policy at the same budget; a `preset`-budget cell (its own
+    budget) beside every budget of the base policy. Each side is summarized
+    again over the common items, so both count the same problems."""
+    from statistics import mean
+
+    from .summary import fidelity, kv_fraction
+
+    pairs = []
+    for c in cells:
+        if "accuracy" not in c or preset_of(c["policy"]) is None:
+            continue
+        base = base_policy(c["policy"])
+        for d in cells:
+            if d["task"] != c["task"] or d["policy"] != base or "accuracy" not in d or d["budget"] == "ref" \
+                    or (c["budget"] != "preset" and d["budget"] != c["budget"]):
+                continue
+            recs = [data["cells"][f"{x['task']}|{x['policy']}|{x['budget']}"]["records"] for x in (c, d)]
+            ids = sorted(i for i in recs[0] if "error" not in recs[0][i] and i in recs[1] and "error" not in recs[1][i])
+            if not ids:
+                continue
+            full = data["cells"].get(f"{c['task']}|full|-", {}).get("records", {})
+            sides = []
+            for x, r in zip((c, d), recs):
+                fracs = [f for f in (kv_fraction(r[i], full.get(i)) for i in ids) if f is not None]
+                sides.append({**x, "n_common": len(ids), "accuracy": mean(r[i]["correct"] for i in ids),
+                              "correct": sum(r[i]["correct"] for i in ids),
+                              "kv_fraction": mean(fracs) if fracs else None,
+                              "completion_tokens": mean(r[i]["usage"]["completion_tokens"] for i in ids),
+                              "evicted_tokens": mean(r[i]["kv_usage"].get("evicted_tokens", 0) for i in ids),
+                              "errors_left_out": x["errors"], "vs_full": fidelity({i: r[i] for i in ids}, full),
+                              **speed([r[i] for i in ids])})
+            sides[0]["full_correct"] = sum(full[i]["correct"] for i in ids if i in full and "error" not in full[i])
+            pairs.append((sides[0], sides[1]))
+    return pairs
+
+
+#: Fewest common problems for a preset's pair to be plotted (the table lists every pair).
+MIN_PAIR_ITEMS = 3
+
+
+def _differing_params(preset: str) -> str:
+    """The preset's settings that differ from its policy's defaults."""
+    from kvsieve.policies import get_policy
+
+    value = preset_of(preset)
+    defaults = get_policy(value["name"]).Params().model_dump()
+    diff = [f"{k} {json.dumps(v)}" for k, v in value.get("params", {}).items()
+            if (tuple(v) if isinstance(v, list) else v) != defaults.get(k)]
+    if "budget_ratio" in value:
+        diff.insert(0, f"budget_ratio {value['budget_ratio']}")
+    return ", ".join(diff) or "none beyond the budget"
+
+
+def presets_table(data: dict, cells: list[dict]) -> str:
+    pairs = preset_pairs(data, cells)
+    if not pairs:
+        return ""
+    lines = ["Each row: a preset's cell and its fast default's on the problems both answered (`n`); accuracy as "
+             "correct of n (`full`'s correct on the same n in brackets), answers as full's: final answers equal to "
+             "`full`'s (right or wrong) of n, KV held at the end / full run's KV, "
+             "client-side speed: output tokens / latency summed over the requests (tok/s per request) and the "
+             "median latency per output token (TPOT; both include queueing and prefill, with the cell's "
+             f"batch of {data['meta'].get('concurrency')} in flight).", "",
+             "| preset | budget | differs from the default in | n | accuracy | answers as full's | KV held | "
+             "tok/s per request | TPOT ms | fast default | budget | accuracy | answers as full's | KV held | "
+             "tok/s per request | TPOT ms |",
+             "| --- |" + " --- |" * 15]
+
+    def agree(x: dict) -> str:
+        vs = x.get("vs_full")
+        return f"{round(vs['answer_agreement'] * vs['n'])}" if vs else "–"
+
+    for p, d in sorted(pairs, key=lambda pd: (pd[0]["policy"], _budget_order(pd[1]["budget"]))):
+        lines.append(
+            f"| {p['policy']} | `{p['budget']}` | {_differing_params(p['policy'])} | {p['n_common']} | "
+            f"{p['correct']} ({p['full_correct']}) | {agree(p)} | {_pct(p['kv_fraction'])} | "
+            f"{_num(p.get('decode_tok_s'), 2)} | {_num(p.get('tpot_ms'), 0)} | {d['policy']} | `{d['budget']}` | "
+            f"{d['correct']} | {agree(d)} | {_pct(d['kv_fraction'])} | {_num(d.get('decode_tok_s'), 2)} | "
+            f"{_num(d.get('tpot_ms'), 0)} |")
+    left = [f"{x['policy']} `{x['budget']}`: {x['errors_left_out']}" for p, d in pairs for x in (p, d)
+            if x["errors_left_out"]]
+    if left:
+        lines += ["", "Requests answered with an error (left out of both sides): " + "; ".join(sorted(set(left))) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_presets(data: dict, cells: list[dict], out: Path) -> None:
+    """Accuracy vs client-side decode speed: a filled marker per preset cell,
+    a hollow one for its fast default on the same problems, joined, and a
+    black bar at `full`'s accuracy on those problems."""
+    pairs = preset_pairs(data, cells)
+    if not pairs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [(p, d) for p, d in pairs if p["n_common"] >= MIN_PAIR_ITEMS]  # the table lists the rest
+    if not pairs:
+        return
+    styles = _policy_styles(sorted({p["policy"] for p, _ in pairs}))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for p, d in pairs:
+        color, marker = styles[p["policy"]]
+        xs, ys = [p.get("decode_tok_s"), d.get("decode_tok_s")], [p["accuracy"], d["accuracy"]]
+        if None in xs:
+            continue
+        ax.plot(xs, ys, color=color, lw=0.8, alpha=0.6, ls=":")
+        ax.scatter(xs[:1], ys[:1], color=color, marker=marker, s=55,
+                   label=f"{p['policy']} `{p['budget']}` (KV {_pct(p['kv_fraction'])})")
+        ax.scatter(xs[1:], ys[1:], facecolors="none", edgecolors=color, marker=marker, s=55,
+                   label=f"  fast {d['policy']} `{d['budget']}` (KV {_pct(d['kv_fraction'])})")
+        ax.scatter([xs[0]], [p["full_correct"] / p["n_common"]], color="black", marker="_", s=120,
+                   label=f"  full on the same {p['n_common']} problems: {p['full_correct']} solved")
+    ax.set_xlabel("output tokens / latency per request (tok/s; queueing and prefill included)")
+    ax.set_ylabel("accuracy on the pair's problems")
+    ax.set_ylim(-0.03, 1.03 if max(p["accuracy"] for pair in pairs for p in pair) > 0.6 else 0.6)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    meta = data["meta"]
+    ax.set_title(f"{meta.get('model')}: paper presets (filled) vs fast defaults (hollow), "
+                 f"{meta.get('concurrency')} requests in flight\n"
+                 "(a pair's two cells may come from different runs: their speeds compare only within one run)",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def report(args) -> int:
     sections = []
     for (data, cells), path in zip(load(args.results), args.results):
@@ -338,12 +475,20 @@ def report(args) -> int:
         sections.append(accuracy_tables(data, cells))
         sections.append("#### Fidelity\n")
         sections.append(fidelity_tables(data, cells))
+        presets = presets_table(data, cells)
+        if presets:
+            sections.append("#### Paper presets against the fast defaults\n")
+            sections.append(presets)
         if args.plots:
             plots = Path(args.plots)
             plots.mkdir(parents=True, exist_ok=True)
             name = Path(path).stem.removeprefix("eval-")
-            plot_accuracy(cells, meta, plots / f"{args.prefix}-accuracy-{name}.png")
-            plot_fidelity(cells, meta, plots / f"{args.prefix}-fidelity-{name}.png")
+            # the presets' cells have their own plot (below); these keep the policies'
+            policies = [c for c in cells if preset_of(c["policy"]) is None]
+            plot_accuracy(policies, meta, plots / f"{args.prefix}-accuracy-{name}.png")
+            plot_fidelity(policies, meta, plots / f"{args.prefix}-fidelity-{name}.png")
+            if presets:
+                plot_presets(data, cells, plots / f"{args.prefix}-presets-{name}.png")
     if getattr(args, "recall", None):
         sections.append("### Top-10 attended-token recall\n")
         sections.append(recall_table(Path(args.recall)))

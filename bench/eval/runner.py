@@ -13,8 +13,17 @@ Budgets (labels in the results):
            output), floored at 16;
   `rX`     budget_ratio X (the server's: X of the private tokens so far);
   `ref`    a budget that evicts nothing (prompt + max_tokens + 64): the
-           fidelity reference, the same compressed path without eviction.
+           fidelity reference, the same compressed path without eviction;
+  `preset` a built-in preset's own budget (or budget_ratio), nothing added:
+           only preset cells run it (crystalcache-paper-b30 and -b50 are
+           defined by their beta).
 `full` runs once per task, budget label `-`.
+
+A cell's policy is a policy name or a built-in preset's name
+(kvsieve.service.presets, e.g. `rkv-paper`): a preset cell sends
+{"preset": NAME} plus the cell's budget and compress_prompt, and its base
+policy (the preset's `name`) decides compress_prompt's default and so the
+tokens an `fX` budget counts.
 
 Requests are sent one at a time by default (solo): SGLang's CPU path is not
 batch-invariant, so greedy outputs of concurrent requests differ from solo
@@ -31,6 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,21 +52,47 @@ REF_SLACK = 64
 
 
 def parse_budget(label: str) -> tuple[str, float]:
-    """('abs'|'frac'|'ratio'|'ref', value) of a budget label; ValueError if bad."""
-    if label == "ref":
-        return "ref", 0.0
+    """('abs'|'frac'|'ratio'|'ref'|'preset', value) of a budget label; ValueError if bad."""
+    if label in ("ref", "preset"):
+        return label, 0.0
     kind = {"f": "frac", "r": "ratio"}.get(label[:1])
     text = label[1:] if kind else label
     try:
         value = float(text) if kind else int(text)
     except ValueError:
         raise ValueError(f"budget {label!r}: want N (tokens), fX (fraction of the full run's KV), rX "
-                         f"(budget_ratio) or ref") from None
+                         f"(budget_ratio), ref or preset") from None
     if kind and not 0 < value <= 1:
         raise ValueError(f"budget {label!r}: the fraction must be in (0, 1]")
     if not kind and value < 1:
         raise ValueError(f"budget {label!r}: must be at least 1 token")
     return kind or "abs", value
+
+
+@lru_cache(maxsize=1)
+def builtin_presets() -> dict[str, dict]:
+    """{name: kv_policy} of the built-in presets this build serves (read
+    once; callers do not change it)."""
+    from kvsieve.service.presets import usable_builtins
+
+    return usable_builtins()
+
+
+def preset_of(policy: str) -> Optional[dict]:
+    """The built-in preset's kv_policy when `policy` names one, else None."""
+    if policy == "full":
+        return None
+    from kvsieve.policies import policy_names
+
+    if policy in policy_names():
+        return None
+    return builtin_presets().get(policy)
+
+
+def base_policy(policy: str) -> str:
+    """The policy a cell runs: a preset's `name`, else the name itself."""
+    preset = preset_of(policy)
+    return preset["name"] if preset else policy
 
 
 def cell_key(task: str, policy: str, budget: str) -> str:
@@ -141,11 +177,12 @@ class Cell:
 
 def plan(tasks: list[str], policies: list[str], budgets: list[str]) -> list[Cell]:
     """Cells in run order: `full` of every task first (fractions and
-    fidelity need it), then budget by budget, every policy of it."""
+    fidelity need it), then budget by budget, every policy of it. The
+    `preset` budget makes cells of the presets only."""
     cells = [Cell(t, "full", "-") for t in tasks]
     for b in budgets:
         for p in policies:
-            if p == "full":
+            if p == "full" or (b == "preset" and preset_of(p) is None):
                 continue
             cells += [Cell(t, p, b) for t in tasks]
     return cells
@@ -166,13 +203,20 @@ def kv_policy_for(cell: Cell, item: Item, full_record: Optional[dict], compress_
         return {"name": "full"}
     from kvsieve.policies import get_policy
 
-    spec: dict = {"name": cell.policy}
+    preset = preset_of(cell.policy)
+    spec: dict = {"preset": cell.policy} if preset else {"name": cell.policy}
     compress = True if compress_mode == "always" else COMPRESS_PROMPT.get(item.task)
     if compress is not None:
         spec["compress_prompt"] = compress
-    prompt_compressed = compress if compress is not None else get_policy(cell.policy).compress_prompt
+    default = (preset or {}).get("compress_prompt")
+    if default is None:
+        default = get_policy(base_policy(cell.policy)).compress_prompt
+    prompt_compressed = compress if compress is not None else default
     kind, value = parse_budget(cell.budget)
-    if kind == "abs":
+    if kind == "preset":
+        if preset is None:
+            raise ValueError(f"{cell.key}: the `preset` budget is a preset's own; {cell.policy!r} is not a preset")
+    elif kind == "abs":
         spec["budget"] = int(value)
     elif kind == "ratio":
         spec["budget_ratio"] = value
@@ -216,20 +260,24 @@ def make_record(item: Item, kv_policy: dict, resp: dict) -> dict:
 
 def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list[Cell],
              concurrency: int = 1, progress: Optional[Callable[[int], None]] = None,
-             on_cell: Optional[Callable[[Cell], None]] = None, compress_mode: str = "task") -> dict[str, int]:
+             on_cell: Optional[Callable[[Cell], None]] = None, compress_mode: str = "task",
+             all_items: Optional[dict[str, list[Item]]] = None) -> dict[str, int]:
     """Run every missing (cell, item); returns counts {ran, skipped, errors}.
+    `all_items`: the task's whole item list, recorded in the file when
+    `items` is a slice of it (a slice's cells stay not done).
     Solo (concurrency 1), cell after cell; otherwise every cell's items go
     to one queue in grid order, so a GPU batch holds several cells at once
     and a cell's slowest item does not idle the others."""
     fulls = [c for c in cells if c.policy == "full"]
     if concurrency > 1 and fulls and len(fulls) < len(cells):
         # `full` first, to the end: fractions and `ref` budgets read its records.
-        first = run_grid(client, results, items, fulls, concurrency, progress, on_cell, compress_mode)
+        first = run_grid(client, results, items, fulls, concurrency, progress, on_cell, compress_mode, all_items)
         rest = run_grid(client, results, items, [c for c in cells if c.policy != "full"], concurrency,
-                        progress, on_cell, compress_mode)
+                        progress, on_cell, compress_mode, all_items)
         return {k: first[k] + rest[k] for k in first}
     counts = {"ran": 0, "skipped": 0, "errors": 0}
-    results.data["items"] = {t: [i.to_json() for i in its] for t, its in items.items()}
+    results.data["items"] = {t: [i.to_json() for i in its] for t, its in (all_items or items).items()}
+    whole = {t: len(its) for t, its in (all_items or items).items()}
     work: list[tuple[Cell, Item]] = []
     left: dict[str, int] = {}  # cell key -> items not yet recorded
     for cell in cells:
@@ -239,7 +287,7 @@ def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list
         counts["skipped"] += len(items[cell.task]) - len(todo)
         if progress:
             progress(len(items[cell.task]) - len(todo))
-        if not todo:
+        if not todo and len(entry["records"]) >= whole[cell.task]:
             entry["done"] = True
         left[cell.key] = len(todo)
         work += [(cell, i) for i in todo]
@@ -256,7 +304,7 @@ def run_grid(client, results: Results, items: dict[str, list[Item]], cells: list
         counts["ran"] += 1
         counts["errors"] += "error" in rec
         left[cell.key] -= 1
-        if left[cell.key] == 0:
+        if left[cell.key] == 0 and len(entry["records"]) >= whole[cell.task]:
             entry["done"] = True
         results.save()
         if progress:

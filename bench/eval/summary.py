@@ -11,7 +11,7 @@ whether the final answers agree.
 
 from __future__ import annotations
 
-from statistics import mean
+from statistics import mean, median
 from typing import Optional
 
 from .runner import cell_key
@@ -57,6 +57,21 @@ def kv_fraction(record: dict, full_record: Optional[dict]) -> Optional[float]:
     return held / total if total else None
 
 
+def speed(records) -> dict:
+    """Speed as the client saw it, from each answered request's latency
+    (request sent to response read: queueing and prefill included) and
+    output tokens: `decode_tok_s` = output tokens / latency summed over the
+    requests (one request's stream; the server's aggregate is about this
+    times the requests in flight), `tpot_ms` = the median of latency per
+    output token."""
+    rows = [(r["latency_s"], r["usage"]["completion_tokens"]) for r in records
+            if "error" not in r and r["usage"]["completion_tokens"] > 0]
+    if not rows:
+        return {}
+    return {"decode_tok_s": sum(n for _, n in rows) / sum(t for t, _ in rows),
+            "tpot_ms": 1000 * median(t / n for t, n in rows)}
+
+
 def summarize_cell(data: dict, key: str) -> dict:
     cell = data["cells"][key]
     task, policy, budget = cell["task"], cell["policy"], cell["budget"]
@@ -83,6 +98,7 @@ def summarize_cell(data: dict, key: str) -> dict:
     budgets = [r["kv_policy"].get("budget") for r in ok.values() if r["kv_policy"].get("budget") is not None]
     out["budget_tokens"] = mean(budgets) if budgets else None
     out["latency_s"] = mean(r["latency_s"] for r in ok.values())
+    out.update(speed(ok.values()))
     # Share of the prompt served from SGLang's radix cache (kept whole,
     # never under the budget): beyond the chat template's shared head, a
     # hit means an earlier request on the same server had the same prompt.
