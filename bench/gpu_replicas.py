@@ -344,8 +344,9 @@ class Serve:
             env["KVSIEVE_SGLANG_ARGS"] = json.dumps(args.sglang_args)
             env.update(args.region_env)
         # Not the repo root: Ray puts the driver's directory first on its workers'
-        # sys.path, and the root's bare kvsieve/__init__.py would hide the
-        # installed package from them (no kvsieve.service: every deployment fails).
+        # sys.path, so from there they would import the checkout rather than the
+        # wheel installed on the device (kvsieve/__init__.py makes that work too,
+        # but the run should measure what it installed).
         self.command = shlex.join(cmd)
         self.env_shown = {k: v for k, v in env.items() if k.startswith(("KVSIEVE_", "NCCL_", "CUDA_VISIBLE"))}
         self.started = time.monotonic()

@@ -16,8 +16,9 @@ _kv_setup() {
   local want_ray=${1:-} t0=$SECONDS r=${KV_SETUP_ROOT:-/tmp}  # KV_SETUP_ROOT: for a dry run elsewhere
   # NVLink multicast stays off (KINDS.md); the image sets these, keep them for every child.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  # The repo root holds kvsieve/__init__.py alone (the editable layout): without this a
-  # `python3 -c`/`-m` run from here imports that and not the installed package.
+  # A `python3 -c`/`-m` child run from the repo root imports the installed wheel,
+  # not the checkout's kvsieve/ (which kvsieve/__init__.py would map to the
+  # checkout's folders): the call measures what it installed.
   export PYTHONSAFEPATH=1
   if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     bash .whl/device-setup.sh || return 1
