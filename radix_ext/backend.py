@@ -137,6 +137,10 @@ class KvsieveAttnBackend(AttentionBackend):
         #: Policy groups padded to bucketed row counts where graphs replay
         #: (step_meta.row_bucket; KVSIEVE_GRAPH_BUCKETS=0 turns it off).
         self.steps.pad_rows = self.graphs is not None and region_graphs.buckets_enabled()
+        #: `full` rows beside compressed ones run in our pass, so that such a
+        #: step can replay its whole stack (KVSIEVE_FOLD_POOL_ROWS=0: they run
+        #: SGLang's backend, and those steps replay per layer).
+        self.steps.fold_pool_rows = self.forward_graphs is not None and forward_graphs.folds_pool_rows()
         self.step_log = StepLog.from_env()  # KVSIEVE_STEP_LOG: where a serving run's time goes
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel
@@ -233,9 +237,13 @@ class KvsieveAttnBackend(AttentionBackend):
         if captured is not None:
             # The whole decoder stack is being recorded (forward_graphs.py):
             # every row is a region row, in order, and the pass reads the
-            # entry's static metadata. No pool write: compressed rows' slot is
-            # SGLang's dummy slot 0 (decode_slots.py), never read.
+            # entry's static metadata. The pool write goes to the static
+            # out_slots: pool-only rows' real slots (their KV lives there,
+            # step_meta.StepBuilder.fold_pool_rows), SGLang's dummy slot 0
+            # for compressed and padded rows (decode_slots.py), never read.
             q3, k3, v3, o3 = self._shapes(q, k, v, layer)
+            if save_kv_cache:
+                self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(captured.step.region.out_slots, None), k, v)
             if self.graphs.defer_step:
                 # Attention only; the groups run after the stack (after_stack).
                 obs = self.decode_attend(q3, k3, v3, o3, layer, captured.step)

@@ -11,12 +11,23 @@ attention metadata is the token pool's, not ours
 (plugin.graphs_skip_compressed_batches).
 
 So a decode step is replayed whole when:
-* every row of the batch is a compressed row in the region (no `full`
-  rows running SGLang's backend, no rows being aborted), and
+* every row of the batch is a row of our pass (no rows being aborted, none
+  running SGLang's backend), and
 * every segment of the step's region graphs (the attention and each policy
   group, region_graphs.py) has been captured in every layer, the step's
   composition (which segments) was seen lately before, and
 * no steered request is live (its hooks read host state).
+
+Rows of `full` requests (or none given) would run SGLang's backend, whose
+decode graphs cannot hold our rows, and real traffic has them in almost
+every batch. Where these graphs run they join our pass instead as
+pool-only rows (step_meta.StepBuilder.fold_pool_rows): no region slot, all
+of their KV read as the prefix from the token pool, their new token
+written there first (at out_slots, inside the replay too). One kernel then
+attends every row; tokens of a `full` row may differ from its run on
+SGLang's backend by that kernel's rounding (batch-variant, as any
+backend's split-KV is). KVSIEVE_FOLD_POOL_ROWS=0 keeps them on SGLang's
+backend (such steps replay per layer).
 
 A step with a TBQ group flush replays too: the flush (eager, its rows
 change every step) runs for every layer after the stack (`after_stack`),
@@ -63,6 +74,16 @@ logger = logging.getLogger(__name__)
 
 def enabled() -> bool:
     return os.environ.get("KVSIEVE_FORWARD_GRAPHS", "1") == "1"
+
+
+def folds_pool_rows() -> bool:
+    """KVSIEVE_FOLD_POOL_ROWS: "1" (default) runs `full` rows beside
+    compressed ones in our pass where whole-stack graphs run; "0" leaves
+    them on SGLang's backend."""
+    value = os.environ.get("KVSIEVE_FOLD_POOL_ROWS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVSIEVE_FOLD_POOL_ROWS must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 @dataclass

@@ -172,6 +172,18 @@ def record_padded_rows(rows: int) -> None:
     PADDED_ROWS.inc(rows)
 
 
+POOL_ONLY_ROWS = Counter(
+    "kvsieve_decode_pool_only_rows",
+    "Rows of `full` (or no kv_policy) requests that ran a decode step in kvsieve's pass, reading their KV "
+    "from the token pool, instead of SGLang's backend, so that a batch with compressed rows replays its "
+    "whole decoder stack (step_meta.StepBuilder.fold_pool_rows)",
+)
+
+
+def record_pool_only_rows(rows: int) -> None:
+    POOL_ONLY_ROWS.inc(rows)
+
+
 REQUEST_ERRORS = Counter(
     "kvsieve_request_errors_total",
     "Requests ended with an error because their policy's code failed (radix_ext/faults.py), by policy and "

@@ -61,7 +61,8 @@ class StepLog:
         region = step.region if step is not None else None
         if region is not None:
             line.update(region=region.real, padded=int(region.pool_rows.shape[0]),
-                        width=int(region.tables.shape[3]), groups=len(region.groups))
+                        width=int(region.tables.shape[3]), groups=len(region.groups), pool_only=region.pool_only,
+                        prefix=int(region.prefix_slots.shape[1]))
         if graphs is not None:
             line["counters"] = {name: getattr(graphs, name) for name in COUNTERS}
             if graphs.current is not None:

@@ -95,9 +95,14 @@ def width_bucket(columns: int) -> int:
 
 def prefix_bucket(tokens: int) -> int:
     """Width of the prefix-slot table when rows are padded: the longest
-    prefix rounded up to 128 (the decode kernel reads whole blocks of it, so
-    this costs at most a few blocks of masked loads per row)."""
-    return -(-tokens // 128) * 128
+    prefix rounded up to 128 up to 2,048, then eight steps per doubling
+    (2,304, 2,560, ...). The decode kernel skips the blocks past a row's own
+    prefix, so this costs masked loads only; a pool-only row (`full`) grows
+    its prefix every step, and each new width is new graph shapes."""
+    if tokens <= 2048:
+        return -(-tokens // 128) * 128
+    step = 1 << ((tokens - 1).bit_length() - 4)
+    return -(-tokens // step) * step
 
 
 def decision_bucket(due: int, rows: int) -> int:
@@ -244,6 +249,15 @@ class RegionRows:
     #: tbq_store.flush) and the format of each group; None when none.
     flush_rows: Optional[torch.Tensor] = None  # [Rf] indices into the region rows
     flush_format: Optional[torch.Tensor] = None  # [Rf] kernels.kv_formats ids
+    #: Decode: the token-pool slot each row's new token goes to (SGLang's
+    #: out_cache_loc: the dummy slot 0 for compressed and padded rows, a
+    #: real slot for pool rows). A whole-stack replay writes it itself.
+    out_slots: Optional[torch.Tensor] = None  # [R]
+    #: Decode: rows that are not compressed requests (`full`, no kv_policy)
+    #: and run here instead of SGLang's backend (StepBuilder.fold_pool_rows):
+    #: their whole KV is their prefix in the token pool, and their page-table
+    #: row is PAD_POOL_ROW's (no region slot). Host count.
+    pool_only: int = 0
 
 
 @dataclass
@@ -340,6 +354,11 @@ class StepBuilder:
         self.pad_rows = pad_rows
         #: The padded decode width last used (_decode_width).
         self.held_width = 0
+        #: Decode steps with compressed rows take the batch's other rows
+        #: (`full`, no kv_policy) into the region pass as pool-only rows
+        #: instead of SGLang's backend, so the step can replay the whole
+        #: decoder stack (forward_graphs.py; set where those graphs run).
+        self.fold_pool_rows = False
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
@@ -398,10 +417,16 @@ class StepBuilder:
             split.append(group.subset(observing, "observe"))
         return split
 
-    def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill) -> RegionRows:
+    def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill,
+                     slot_rows: Optional[torch.Tensor] = None) -> RegionRows:
+        """The region rows of a step. A None in `requests` is a pool-only row
+        (fold_pool_rows): in no group, its table row pool_rows[r] is
+        PAD_POOL_ROW, and its prefix comes from its req_to_token row in
+        `slot_rows` (the batch's req_pool_indices, on the device)."""
         dev = self.device
         pool_rows_t = _long(pool_rows, dev)
-        width = self.pages.width_of([r.rid for r in requests])
+        compressed = [r for r, req in enumerate(requests) if req is not None]
+        width = self.pages.width_of([requests[r].rid for r in compressed])
         if self.pad_rows and not prefill:
             width = self._decode_width(width)
             self.pages.ensure_width(width)
@@ -412,12 +437,13 @@ class StepBuilder:
         if P:
             cols = torch.arange(P, device=dev)
             prefix_mask = cols.unsqueeze(0) < _long(prefix_lens, dev).unsqueeze(1)
-            prefix_slots = torch.where(prefix_mask, self.req_to_token[pool_rows_t, :P].long(),
+            prefix_slots = torch.where(prefix_mask, self.req_to_token[pool_rows_t if slot_rows is None else slot_rows,
+                                                                      :P].long(),
                                        torch.zeros((), dtype=torch.int64, device=dev))
         else:
             prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
             prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
-        groups = self._groups(requests, list(range(len(requests))), steps, budgets, pool_rows, prefill)
+        groups = self._groups(requests, compressed, steps, budgets, pool_rows, prefill)
         for group in groups:
             group.width = width if prefill else self._group_width(group, width)
         page, dim, element = self.pages.config.page_size, self.pages.config.head_dim, self.pages.k.element_size()
@@ -432,7 +458,7 @@ class StepBuilder:
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev), groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
-                                  for g in groups), real=len(requests))
+                                  for g in groups), real=len(requests), pool_only=len(requests) - len(compressed))
 
     def _decode_width(self, columns: int) -> int:
         """The decode step's padded width (width_bucket), kept while the
@@ -516,6 +542,8 @@ class StepBuilder:
         rows.prefix_mask = grow(rows.prefix_mask, False)
         rows.prefix_lens = grow(rows.prefix_lens, 0)
         rows.positions = grow(rows.positions, 0)
+        if rows.out_slots is not None:
+            rows.out_slots = grow(rows.out_slots, 0)  # SGLang's dummy slot
 
     # ----- the step ---------------------------------------------------------
     def build(self, forward_batch) -> Optional[StepMeta]:
@@ -579,14 +607,39 @@ class StepBuilder:
                     pass  # the request ends; its pages stay as they were until it does
         self.pages.flush()
         rows = None
-        if region:
+        if region and pool and not zero and self.fold_pool_rows:
+            rows = self._folded_rows(fb, seq_lens, requests, region, pool_rows, steps, budgets)
+            pool = []
+        elif region:
             rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests], steps, budgets,
                                      prefill=False)
-            rows.positions = fb.positions[rows.batch_index]
             self._flushes(rows, requests, steps)
+        if rows is not None:
+            rows.positions = fb.positions[rows.batch_index]
+            rows.out_slots = fb.out_cache_loc[rows.batch_index].long()
             if self.pad_rows:
                 self.pad(rows)
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
+
+    def _folded_rows(self, fb, seq_lens, requests, region, pool_rows, steps, budgets) -> RegionRows:
+        """Every row of the batch as a region row, in batch order (a
+        whole-stack replay reads row r of the batch as region row r): the
+        compressed ones as always, the others pool-only (fold_pool_rows),
+        whose prefix is every token they hold, this step's included
+        (SGLang wrote its slot into req_to_token before the forward; the
+        pass stores its K/V there, at out_slots, before attending)."""
+        batch = len(fb.rids)
+        by_row = [None] * batch
+        table_rows, prefix_lens = [PAD_POOL_ROW] * batch, list(seq_lens)
+        all_steps, all_budgets = [0] * batch, [0] * batch
+        for req, i, pool_row, step, budget in zip(requests, region, pool_rows, steps, budgets):
+            by_row[i], table_rows[i], prefix_lens[i] = req, pool_row, req.prefix_len
+            all_steps[i], all_budgets[i] = step, budget
+        rows = self._region_rows(by_row, list(range(batch)), table_rows, prefix_lens, all_steps, all_budgets,
+                                 prefill=False, slot_rows=fb.req_pool_indices.long())
+        self._flushes(rows, by_row, all_steps)
+        metrics.record_pool_only_rows(rows.pool_only)
+        return rows
 
     def _flushes(self, rows: RegionRows, requests: list, steps: list[int]) -> None:
         """TBQ rows whose group of `page_size` decode tokens is whole after
@@ -595,7 +648,7 @@ class StepBuilder:
         size = self.pages.config.page_size
         due = []
         for r, (req, step) in enumerate(zip(requests, steps)):
-            if req.tbq and (step + 1) % size == 0 and not req.overflowed:
+            if req is not None and req.tbq and (step + 1) % size == 0 and not req.overflowed:
                 try:
                     with faults.guard("tbq_format", req.policy.name, [req]):
                         due.append((r, req.policy.group_format(req.state, step + 1 - size)))

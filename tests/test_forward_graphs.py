@@ -20,6 +20,7 @@ from kvsieve.policies import get_policy, policy_names
 from kvsieve.policies.skipkv import steering
 from kvsieve.radix_ext.forward_graphs import ForwardGraphs, step_is_whole
 from kvsieve.radix_ext.region_graphs import RegionGraphs
+from kvsieve.radix_ext.runtime import RUNTIME
 
 from conftest import start_server
 from test_compressed import complete, complete_together, metric, region_idle
@@ -92,6 +93,30 @@ def test_a_step_replays_whole_only_when_every_row_is_compressed_and_captured(run
         steering.TABLE = table
 
 
+def test_full_rows_beside_compressed_ones_join_the_pass_as_pool_only_rows(runtime):
+    _two_rows(runtime)
+    runtime.fold_pool_rows = True
+    batch = decode_batch(["a", "f", "b"], [3, 6, 5], [7, 9, 7])
+    batch.out_cache_loc = torch.tensor([0, 4321, 0])  # SGLang's slot for f's new token; 0: compressed rows
+    step = runtime.build(batch)
+    rows = step.region
+    # Every row, in batch order; f is in no group and reads no region page.
+    assert step.pool_batch is None and step_is_whole(step, batch_size=3)
+    assert rows.real == 3 and rows.pool_only == 1 and rows.batch_index.tolist()[:3] == [0, 1, 2]
+    assert rows.pool_rows.tolist()[:3] == [3, 0, 5]
+    assert (rows.tables[1] == RUNTIME.region.null_page).all() and (rows.tables[0] != RUNTIME.region.null_page).all()
+    assert [g.members for g in rows.groups] == [[0, 2]]
+    # Its prefix is every token it holds, this step's included, from its own req_to_token row.
+    assert rows.prefix_lens.tolist()[:3] == [5, 9, 5]
+    assert torch.equal(rows.prefix_slots[1, :9], torch.arange(6 * 2000, 6 * 2000 + 9))
+    assert rows.out_slots.tolist()[:3] == [0, 4321, 0]
+    # A batch of `full` rows only is SGLang's, and so is one with a row being aborted.
+    assert runtime.build(decode_batch(["f", "g"], [6, 7], [9, 9])) is None
+    RUNTIME.requests["b"].overflowed = True
+    mixed = runtime.build(decode_batch(["a", "f", "b"], [3, 6, 5], [8, 10, 8]))
+    assert mixed.pool_batch_index.tolist() == [1] and mixed.region.pool_only == 0
+
+
 def test_the_captured_stack_reads_static_inputs_and_runs_once_per_step(runtime):
     _two_rows(runtime)
     region = RegionGraphs(rerun=True)
@@ -154,6 +179,23 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     assert metric(rerun_server, "kvsieve_decode_padded_rows_total") >= GEN // 2
     assert metric(rerun_server, "kvsieve_decode_graph_captures_total", graph="forward") >= 1
     assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") >= GEN // 4
+    assert region_idle(rerun_server)
+
+
+def test_a_batch_with_full_rows_replays_whole_and_each_row_equals_its_solo_run(llama_server, rerun_server):
+    # `full` rows (named, and no kv_policy at all) beside compressed ones:
+    # they run in kvsieve's pass as pool-only rows, so the step still
+    # replays its whole stack; their new tokens go to the token pool.
+    names = ["full", None, "h2o", "streaming", "full"]
+    policies = [policy_for(n) if n not in ("full", None) else ({"name": "full"} if n else None) for n in names]
+    prompts = [prompt_for(20 + i) for i in range(len(names))]
+    solo = [complete(llama_server, p, k, max_tokens=GEN)["choices"][0]["token_ids"] for p, k in zip(prompts, policies)]
+    before = metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward")
+    batched = complete_together(rerun_server, list(zip(prompts, policies)), max_tokens=GEN)
+    for i, name in enumerate(names):
+        assert batched[i]["choices"][0]["token_ids"] == solo[i], name
+    assert metric(rerun_server, "kvsieve_decode_pool_only_rows_total") >= GEN
+    assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") - before >= GEN // 4
     assert region_idle(rerun_server)
 
 

@@ -54,7 +54,8 @@ def staggered_batch(run, s: int) -> SimpleNamespace:
     """Decode step s of the batch, row i at its own step s + PHASES[i]."""
     seq = torch.tensor([run.prompt + s + phase + 1 for phase in PHASES])
     return SimpleNamespace(rids=run.rids, forward_mode=_Mode(decode=True), seq_lens_cpu=seq, seq_lens=seq,
-                           req_pool_indices=torch.arange(1, len(run.rids) + 1), positions=seq - 1)
+                           req_pool_indices=torch.arange(1, len(run.rids) + 1), positions=seq - 1,
+                           out_cache_loc=torch.zeros(len(run.rids), dtype=torch.int64))
 
 
 def run_staggered(policy: str) -> dict:

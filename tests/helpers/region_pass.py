@@ -80,7 +80,8 @@ class RegionPass:
         return SimpleNamespace(rids=self.rids, forward_mode=_Mode(decode=True), seq_lens_cpu=torch.tensor(seq),
                                seq_lens=torch.tensor(seq, device=self.device),
                                req_pool_indices=torch.arange(1, len(self.rids) + 1, device=self.device),
-                               positions=torch.tensor(seq, device=self.device) - 1)
+                               positions=torch.tensor(seq, device=self.device) - 1,
+                               out_cache_loc=torch.zeros(len(self.rids), dtype=torch.int64, device=self.device))
 
     def step(self, s: int, q3, k3, v3) -> torch.Tensor:
         return self.run_batch(self.batch(s), q3, k3, v3)
@@ -227,7 +228,8 @@ def joining_steps(policy: str, starts: list[int], ends: list[int], steps: int, *
             batch = SimpleNamespace(rids=[run.rids[i] for i in active], forward_mode=_Mode(decode=True),
                                     seq_lens_cpu=seq, seq_lens=seq.to(device),
                                     req_pool_indices=torch.tensor([i + 1 for i in active], device=device),
-                                    positions=(seq - 1).to(device))
+                                    positions=(seq - 1).to(device),
+                                    out_cache_loc=torch.zeros(len(active), dtype=torch.int64, device=device))
             index = torch.tensor(active, device=device)
             q, k, v = random_qkv(rows, shapes, gen, device, dtype)  # every row's, so both runs see the same
             outputs.append(run.run_batch(batch, q[index], k[index], v[index]))
