@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -179,6 +180,7 @@ class KvsieveAttnBackend(AttentionBackend):
 
     # ----- once per step ----------------------------------------------------
     def init_forward_metadata(self, forward_batch):
+        started = time.perf_counter()
         RUNTIME.after_step()  # host bookkeeping of the previous step (rate-limited)
         with span("kvsieve.step_meta"):
             self.step = self.steps.build(forward_batch)
@@ -192,7 +194,9 @@ class KvsieveAttnBackend(AttentionBackend):
             if self.forward_graphs is not None:
                 self.forward_graphs.begin_step(self.step, forward_batch.batch_size)
         if self.step_log is not None:
-            self.step_log.record(forward_batch, self.step, self.graphs, self.forward_graphs)
+            self.step_log.record(forward_batch, self.step, self.graphs, self.forward_graphs,
+                                 meta_ms=1000 * (time.perf_counter() - started))
+            self.step_log.mark("forward")
         if self.step is None:
             self.inner.init_forward_metadata(forward_batch)
         elif self.step.pool_batch is not None:
@@ -278,6 +282,8 @@ class KvsieveAttnBackend(AttentionBackend):
         defer_groups), their passes over every layer, then the TBQ flush of
         every layer; a stack replayed whole with groups inside it flushes
         only (its layers flushed nothing)."""
+        if self.step_log is not None:
+            self.step_log.mark("stack")
         step = self.step
         if step is None or step.region is None or step.extend is not None or self.graphs is None:
             return
@@ -286,6 +292,8 @@ class KvsieveAttnBackend(AttentionBackend):
             self.flush_groups(step)
         elif replayed:
             self.flush_groups(step)
+        if self.step_log is not None:
+            self.step_log.mark("end")
 
     def flush_groups(self, step, layers=slice(None)) -> None:
         """TBQ: the rows whose full-precision group is whole move it to

@@ -13,7 +13,14 @@ line when its metadata is built, before it runs:
     width    page-table columns of the step (decode)
     groups   policy groups of the step; eager_groups: those with no graph
     counters cumulative region/forward graph counters at the forward's start
+    meta_ms  host time spent building the step's metadata (init_forward_metadata)
+    host_stack_ms, host_groups_ms  host time in the decoder stack's call and
+             in the deferred groups and TBQ flush after it (where whole-stack
+             graphs run: forward_graphs.after_stack)
+    gpu_stack_ms, gpu_groups_ms  GPU time of the same two parts (CUDA events,
+             read when the next forward starts; absent on CPU)
 
+A line is written when the next forward starts (its times are known then).
 A forward's duration is the next line's t minus its own (the scheduler
 starts the next forward once this one's tokens are sampled), and what the
 graphs did in it is the next line's counters minus its own. Summaries are
@@ -30,11 +37,15 @@ import os
 import time
 from typing import Optional
 
+import torch
+
 ENV = "KVSIEVE_STEP_LOG"
 #: Forwards slower than this are counted apart (a Triton compile, an eager
 #: pass over new shapes, a capture).
 SLOW_S = 1.0
 COUNTERS = ("captures", "replays", "group_captures", "group_replays", "resets")
+#: The per-part times a line may carry (record, _write_pending).
+TIMED = ("meta_ms", "host_stack_ms", "host_groups_ms", "gpu_stack_ms", "gpu_groups_ms")
 
 
 class StepLog:
@@ -43,13 +54,40 @@ class StepLog:
         # forward costs microseconds against steps of milliseconds), and a
         # scheduler killed at shutdown loses nothing.
         self.file = open(path, "a", buffering=1)
+        self.pending: Optional[dict] = None  # this forward's line, written when the next one starts
+        self.marks: dict = {}  # name -> (host perf_counter, CUDA event or None)
 
     @classmethod
     def from_env(cls) -> Optional["StepLog"]:
         path = os.environ.get(ENV)
         return cls(path) if path else None
 
-    def record(self, forward_batch, step, graphs, forward_graphs) -> None:
+    def mark(self, name: str) -> None:
+        """A point of this forward: "forward" (its metadata built), "stack"
+        (the decoder stack returned), "end" (the groups after it ran)."""
+        if self.pending is None:
+            return
+        event = None
+        if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.marks[name] = (time.perf_counter(), event)
+
+    def _write_pending(self) -> None:
+        line, marks = self.pending, self.marks
+        self.pending, self.marks = None, {}
+        if line is None:
+            return
+        for field, start, end in (("stack", "forward", "stack"), ("groups", "stack", "end")):
+            if start in marks and end in marks:
+                (t0, e0), (t1, e1) = marks[start], marks[end]
+                line[f"host_{field}_ms"] = round(1000 * (t1 - t0), 3)
+                if e0 is not None and e1 is not None and e1.query():
+                    line[f"gpu_{field}_ms"] = round(e0.elapsed_time(e1), 3)
+        self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def record(self, forward_batch, step, graphs, forward_graphs, meta_ms: Optional[float] = None) -> None:
+        self._write_pending()
         mode = forward_batch.forward_mode
         line = {"t": round(time.time(), 6),
                 "mode": "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other",
@@ -70,7 +108,13 @@ class StepLog:
             if forward_graphs is not None:
                 line["counters"].update(forward_captures=forward_graphs.captures,
                                         forward_replays=forward_graphs.replays)
-        self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        if meta_ms is not None:
+            line["meta_ms"] = round(meta_ms, 3)
+        self.pending = line
+
+    def close(self) -> None:
+        self._write_pending()
+        self.file.close()
 
 
 def read(path: str) -> list[dict]:
@@ -113,11 +157,19 @@ def summarize(lines: list[dict], start: float | None = None, end: float | None =
         if line["mode"] == "decode" and "region" in line:
             before, later = line.get("counters", {}), after.get("counters", {})
             delta = {k: later.get(k, 0) - before.get(k, 0) for k in later}
-            add(out["decode_kinds"], _kind(line, delta), took)
+            kind = add(out["decode_kinds"], _kind(line, delta), took)
+            for field in TIMED:
+                if field in line:
+                    kind.setdefault("_sums", {}).setdefault(field, [0.0, 0])
+                    kind["_sums"][field][0] += line[field]
+                    kind["_sums"][field][1] += 1
             widths.add(line["width"])
             regions.append(line["region"])
     for group in (*out["modes"].values(), *out["decode_kinds"].values()):
         group["ms_per_step"] = round(1000 * group["s"] / group["steps"], 2) if group["steps"] else None
+        # Where a step's time went, per part (means over the steps that logged it).
+        for field, (total, n) in group.pop("_sums", {}).items():
+            group[f"{field}_mean"] = round(total / n, 2)
         group["s"] = round(group["s"], 3)
     if len(lines) >= 2:
         first, last = lines[0].get("counters", {}), lines[-1].get("counters", {})

@@ -2,6 +2,7 @@
 and by what the graphs did, from consecutive lines' times and counters."""
 
 import json
+import time
 from types import SimpleNamespace
 
 import torch
@@ -34,7 +35,8 @@ def test_time_goes_to_modes_and_decode_kinds_by_counter_deltas():
         _line(0.25, "decode", _counters(), region=4),                   # captures 28 layers
         _line(0.45, "decode", _counters(captures=28, group_captures=56), region=4),  # replays segments
         _line(0.47, "decode", _counters(28, 28, 56, 56), region=4, eager_groups=1),  # partly eager
-        _line(0.50, "decode", _counters(28, 56, 56, 84), region=4),     # whole stack replay
+        dict(_line(0.50, "decode", _counters(28, 56, 56, 84), region=4),  # whole stack replay
+             meta_ms=1.5, gpu_stack_ms=6.0, gpu_groups_ms=2.5),
         _line(0.51, "decode", _counters(28, 56, 56, 84, fr=1), region=4),  # 3 s: slow (a compile)
         _line(3.51, "extend", _counters(28, 56, 56, 84, fr=1), tokens=50),
         _line(3.60, "decode", _counters(28, 56, 56, 84, fr=1), region=5),
@@ -50,6 +52,10 @@ def test_time_goes_to_modes_and_decode_kinds_by_counter_deltas():
     assert kinds["segment_capture"] == {"steps": 1, "s": 0.2, "max_ms": 200.0, "slow": 0, "ms_per_step": 200.0}
     assert kinds["segments_replay"]["steps"] == 1 and kinds["segments_partly_eager"]["steps"] == 1
     assert kinds["stack_replay"]["steps"] == 1 and kinds["stack_replay"]["ms_per_step"] == 10.0
+    # Its parts' times, where the lines carry them.
+    assert (kinds["stack_replay"]["meta_ms_mean"], kinds["stack_replay"]["gpu_stack_ms_mean"],
+            kinds["stack_replay"]["gpu_groups_ms_mean"]) == (1.5, 6.0, 2.5)
+    assert "meta_ms_mean" not in kinds["eager"]
     assert out["graph_counters"]["captures"] == 28 and out["graph_counters"]["forward_replays"] == 1
     assert out["decode_widths"] == [8] and out["decode_region_rows_mean"] == 4.0
 
@@ -68,9 +74,18 @@ def test_a_record_is_one_json_line_per_forward(tmp_path):
     region = SimpleNamespace(real=2, pool_rows=torch.zeros(16), tables=torch.zeros(16, 2, 2, 12), groups=[1, 2, 3],
                              pool_only=1, prefix_slots=torch.zeros(16, 256))
     graphs = SimpleNamespace(captures=1, replays=2, group_captures=3, group_replays=4, resets=5, current=None)
-    log.record(fb, SimpleNamespace(region=region), graphs, None)
+    log.record(fb, SimpleNamespace(region=region), graphs, None, meta_ms=1.25)
+    log.mark("forward")
+    time.sleep(0.01)
+    log.mark("stack")
+    log.mark("end")
+    assert step_log.read(str(path)) == []  # a forward's line is written once its times are known
     log.record(fb, None, None, None)
+    log.mark("forward")  # no stack mark: no stack time
+    log.close()
     first, second = step_log.read(str(path))
+    assert first["meta_ms"] == 1.25 and first["host_stack_ms"] >= 10 and first["host_groups_ms"] >= 0
+    assert "host_stack_ms" not in second and "meta_ms" not in second
     assert first["mode"] == "extend" and first["tokens"] == 18 and first["bs"] == 3
     assert (first["region"], first["padded"], first["width"], first["groups"]) == (2, 16, 12, 3)
     assert (first["pool_only"], first["prefix"]) == (1, 256)
