@@ -92,3 +92,26 @@ def test_a_record_is_one_json_line_per_forward(tmp_path):
     assert first["counters"] == {"captures": 1, "replays": 2, "group_captures": 3, "group_replays": 4, "resets": 5}
     assert "region" not in second and "counters" not in second
     assert json.loads(path.read_text().splitlines()[0]) == first
+
+
+def test_the_step_parts_plot_reads_replayed_steps_by_band_of_rows(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("plot_step_parts",
+                                                  Path(__file__).parents[1] / "bench/plot_step_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    lines = []
+    for i in range(6):  # 10-row steps 40 ms apart, the stack replayed in each
+        line = _line(0.04 * i, "decode", _counters(fr=i), region=10)
+        lines.append(dict(line, pool_only=1, meta_ms=5.0, gpu_stack_ms=10.0, gpu_groups_ms=15.0 + i))
+    lines.append(_line(0.24, "decode", _counters(fr=5), region=10))  # no replay in the step before it ends
+    lines.append(_line(2.0, "extend", _counters(fr=5), tokens=10))
+    steps = parts.replayed_steps(lines)
+    assert len(steps) == 5 and round(steps[0]["step_ms"]) == 40  # the sixth: its stack did not replay
+    (band,) = parts.bands(steps)
+    assert band["rows"] == "1-19" and band["steps"] == 5 and band["gpu_groups_ms"] == 17.0
+    assert band["rest_ms"] == round(40 - 5 - 10 - 17, 1)
+    parts.plot(parts.bands(steps), str(tmp_path / "parts.png"), "t")
+    assert (tmp_path / "parts.png").stat().st_size > 1000
