@@ -39,7 +39,8 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import faults, forward_graphs, head_parallel, layer0_probe, memory_split, metrics, region_graphs, tbq_store
+from . import (faults, forward_graphs, head_parallel, layer0_probe, memory_plan, memory_split, metrics, region_graphs,
+               tbq_store)
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
@@ -142,6 +143,11 @@ class KvsieveAttnBackend(AttentionBackend):
         #: step can replay its whole stack (KVSIEVE_FOLD_POOL_ROWS=0: they run
         #: SGLang's backend, and those steps replay per layer).
         self.steps.fold_pool_rows = self.forward_graphs is not None and forward_graphs.folds_pool_rows()
+        # As wide as the plan made their prefix tables (where the region was
+        # carved on a GPU), else the setting's own bound.
+        work = memory_split.workspace
+        self.steps.fold_max_tokens = work.fold_tokens if work is not None else \
+            memory_plan.fold_max_tokens(model_runner.model_config.context_len)
         self.step_log = StepLog.from_env()  # KVSIEVE_STEP_LOG: where a serving run's time goes
         logger.warning("kvsieve: compressed rows' attention (decode and extend) runs %s",
                        "the Triton kernels (kernels/decode_attention.py, extend_attention.py)" if self.use_kernel

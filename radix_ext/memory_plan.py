@@ -25,6 +25,12 @@ are carved out of the KV budget before the pool/region split
                     defer_groups): attention and |p*v| floats of `rows` rows
                     over KVSIEVE_DEFERRED_OBS_COLUMNS columns; a step wider
                     than that runs its groups inside the layers instead
+  prefix_tables     a decode step's prefix tables ([rows, tokens] slots and
+                    mask, 9 bytes a cell) in the live step and in each
+                    region-graph entry, at KVSIEVE_FOLD_MAX_TOKENS tokens:
+                    the longest `full` row a step takes into kvsieve's pass
+                    (step_meta.StepBuilder.fold_pool_rows; a longer one
+                    keeps the step on SGLang's backend)
 
 Rows: `--max-running-requests` (SGLang's estimate when unset) is lowered at
 start, with a log line saying why, to the most rows whose plan fits in
@@ -58,6 +64,10 @@ DEFERRED_OBS_COLUMNS_ENV = "KVSIEVE_DEFERRED_OBS_COLUMNS"
 DEFAULT_DEFERRED_OBS_COLUMNS = 80
 HEAD_TOKENS_ENV = "KVSIEVE_PLANNED_HEAD_TOKENS"
 DEFAULT_HEAD_TOKENS = 4096
+FOLD_TOKENS_ENV = "KVSIEVE_FOLD_MAX_TOKENS"
+DEFAULT_FOLD_TOKENS = 4096
+#: Bytes of one prefix-table cell: its slot (int64) and its mask (bool).
+PREFIX_CELL_BYTES = 9
 SHARE_ENV = "KVSIEVE_WORKSPACE_SHARE"
 DEFAULT_SHARE = 0.25
 #: Rows planned where SGLang picks max_running_requests itself.
@@ -79,6 +89,22 @@ def planned_head_tokens(context_len: int) -> int:
     tokens = _whole_number_env(HEAD_TOKENS_ENV, DEFAULT_HEAD_TOKENS, "tokens", 16,
                                "must be at least 16 (tokens one (layer, kv head) may hold)")
     return min(tokens, max(context_len, 16))
+
+
+def fold_max_tokens(context_len: int) -> int:
+    """Tokens of the longest `full` row a decode step takes into kvsieve's
+    pass (0: never)."""
+    tokens = _whole_number_env(FOLD_TOKENS_ENV, DEFAULT_FOLD_TOKENS, "tokens", 0,
+                               "must be >= 0 (0: `full` rows always run SGLang's backend)")
+    return min(tokens, max(context_len, 0))
+
+
+def prefix_tables_bytes(rows: int, tokens: int) -> int:
+    """The prefix tables of `rows` rows at `tokens` columns, in the live
+    step and in every region-graph entry (region_graphs.MAX_SHAPES)."""
+    from .region_graphs import MAX_SHAPES
+
+    return (MAX_SHAPES + 1) * rows * tokens * PREFIX_CELL_BYTES
 
 
 def deferred_obs_columns() -> int:
@@ -124,21 +150,24 @@ class Workspace:
     forward_graph: int
     tbq_staging: int
     deferred_obs: int = 0
+    prefix_tables: int = 0
+    fold_tokens: int = 0  # the prefix_tables' width: StepBuilder.fold_max_tokens
 
     @property
     def total(self) -> int:
         return (self.page_table + self.decision_scratch + self.pass_scratch + self.forward_graph + self.tbq_staging
-                + self.deferred_obs)
+                + self.deferred_obs + self.prefix_tables)
 
     def parts(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("rows", "columns")}
+        return {k: v for k, v in asdict(self).items() if k not in ("rows", "columns", "fold_tokens")}
 
     def describe(self) -> str:
         mib = {k: f"{v / 2**20:.0f}" for k, v in self.parts().items()}
         return (f"workspace {self.total / 2**20:.0f} MiB planned for {self.rows} rows (page table {mib['page_table']} "
                 f"at {self.columns} columns, decision scratch {mib['decision_scratch']}, pass scratch "
                 f"{mib['pass_scratch']}, forward graph {mib['forward_graph']}, TBQ staging {mib['tbq_staging']}, "
-                f"deferred observations {mib['deferred_obs']})")
+                f"deferred observations {mib['deferred_obs']}, prefix tables {mib['prefix_tables']} "
+                f"at {self.fold_tokens} tokens)")
 
 
 def slot_bytes(shape: ModelShape) -> int:
@@ -163,8 +192,10 @@ def plan(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -
         * shape.element
     tbq = min(FLUSH_ROWS, rows * shape.num_layers) * shape.kv_heads * columns * shape.page_size * TBQ_BYTES_PER_SLOT
     deferred = deferred_obs_bytes(rows, shape.num_layers, shape.kv_heads, shape.page_size)
+    fold = fold_max_tokens(shape.context_len)
     return Workspace(rows=rows, columns=columns, page_table=table, decision_scratch=decision,
-                     pass_scratch=pass_scratch, forward_graph=forward, tbq_staging=tbq, deferred_obs=deferred)
+                     pass_scratch=pass_scratch, forward_graph=forward, tbq_staging=tbq, deferred_obs=deferred,
+                     prefix_tables=prefix_tables_bytes(rows, fold), fold_tokens=fold)
 
 
 def fit_rows(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -> tuple[int, Workspace]:

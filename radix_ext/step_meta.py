@@ -359,6 +359,9 @@ class StepBuilder:
         #: instead of SGLang's backend, so the step can replay the whole
         #: decoder stack (forward_graphs.py; set where those graphs run).
         self.fold_pool_rows = False
+        #: The longest `full` row a step folds (memory_plan.fold_max_tokens:
+        #: its prefix table is planned at start for this width).
+        self.fold_max_tokens = 0
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
@@ -607,7 +610,8 @@ class StepBuilder:
                     pass  # the request ends; its pages stay as they were until it does
         self.pages.flush()
         rows = None
-        if region and pool and not zero and self.fold_pool_rows:
+        if (region and pool and not zero and self.fold_pool_rows
+                and max(seq_lens[i] for i in pool) <= self.fold_max_tokens):
             rows = self._folded_rows(fb, seq_lens, requests, region, pool_rows, steps, budgets)
             pool = []
         elif region:

@@ -95,7 +95,7 @@ def test_a_step_replays_whole_only_when_every_row_is_compressed_and_captured(run
 
 def test_full_rows_beside_compressed_ones_join_the_pass_as_pool_only_rows(runtime):
     _two_rows(runtime)
-    runtime.fold_pool_rows = True
+    runtime.fold_pool_rows, runtime.fold_max_tokens = True, 64
     batch = decode_batch(["a", "f", "b"], [3, 6, 5], [7, 9, 7])
     batch.out_cache_loc = torch.tensor([0, 4321, 0])  # SGLang's slot for f's new token; 0: compressed rows
     step = runtime.build(batch)
@@ -110,8 +110,11 @@ def test_full_rows_beside_compressed_ones_join_the_pass_as_pool_only_rows(runtim
     assert rows.prefix_lens.tolist()[:3] == [5, 9, 5]
     assert torch.equal(rows.prefix_slots[1, :9], torch.arange(6 * 2000, 6 * 2000 + 9))
     assert rows.out_slots.tolist()[:3] == [0, 4321, 0]
-    # A batch of `full` rows only is SGLang's, and so is one with a row being aborted.
+    # A batch of `full` rows only is SGLang's, and so is one with a `full`
+    # row longer than the planned prefix tables, or a row being aborted.
     assert runtime.build(decode_batch(["f", "g"], [6, 7], [9, 9])) is None
+    longer = runtime.build(decode_batch(["a", "f", "b"], [3, 6, 5], [8, 65, 8]))
+    assert longer.pool_batch_index.tolist() == [1] and longer.region.pool_only == 0
     RUNTIME.requests["b"].overflowed = True
     mixed = runtime.build(decode_batch(["a", "f", "b"], [3, 6, 5], [8, 10, 8]))
     assert mixed.pool_batch_index.tolist() == [1] and mixed.region.pool_only == 0

@@ -82,7 +82,9 @@ def test_the_headline_workspace_is_planned_part_by_part():
     assert work.forward_graph == 640 * (4 * 3584 + 3 * 18944) * 2
     # Each layer's attention and |p*v| (4 bytes each) of 640 rows over 80 columns of 16 slots.
     assert work.deferred_obs == 640 * 28 * 4 * 80 * 16 * 8
-    assert 0 < work.total < 2 * 2**30
+    # Prefix tables (slot and mask) 4,096 tokens wide, live and in each of the 8 graph entries.
+    assert work.fold_tokens == 4096 and work.prefix_tables == 9 * 640 * 4096 * 9
+    assert 0 < work.total < 2.5 * 2**30  # 5% of the KV budget
     assert memory_plan.plan(shape, 1280, int(45.1e9), 0.5).decision_scratch == work.decision_scratch
 
 

@@ -139,7 +139,7 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
     backend.__dict__.update(inner=SimpleNamespace(), token_to_kv_pool=_Pool(req_to_token.numel(), shapes, dtype, device),
                             num_layers=L, device=device, pages=RUNTIME.region, step=None,
                             use_kernel=kernel == "triton", steps=StepBuilder(RUNTIME.region, req_to_token, device),
-                            graphs=graphs)
+                            graphs=graphs, step_log=None)
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):
         name = policy.split("+")[i % len(policy.split("+"))]
