@@ -20,7 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STYLE = {"vanilla": ("tab:gray", "vanilla SGLang"), "kvsieve": ("tab:blue", "kvsieve (policy mix)")}
+STYLE = {"vanilla": ("tab:gray", "vanilla SGLang"), "kvsieve": ("tab:blue", "kvsieve (policy mix)"),
+         "kvsieve-nofold": ("tab:cyan", "kvsieve, `full` rows on SGLang's backend")}
 
 
 def series(data: dict, engine: str, key: str) -> list[tuple[float, float, bool]]:

@@ -82,6 +82,10 @@ Results (--out): written after every rate; a later run with other --engines
 or --rates adds to the same file and records its command in `commands`, and
 refuses a file whose trace or settings differ (`comparable`).
 
+Engines: `vanilla`, `kvsieve`, and `kvsieve-nofold` (kvsieve with
+KVSIEVE_FOLD_POOL_ROWS=0: `full` rows on SGLang's backend, an A/B of
+folding them into kvsieve's pass; its step log is `...-nofold-steps.jsonl`).
+
 Device profile (one 10-minute device call per engine, about 4-6 minutes each
 with the engine start): the full trace scaled by 1/4, generation lengths 128
 to 4096 instead of 512 to 16K, budget 256, --kv-tokens 196608 (the KV
@@ -128,7 +132,15 @@ from gpu_smoke import (  # noqa: E402
     HEADLINE_KV_TOKENS, commit_of, device_name, flush_cache, memory_split, model_dir, model_shape, policy_specs)
 
 DEFAULT_MIX = "streaming,h2o,rkv,skipkv,thinkv,crystal_kv,longflow,crystalcache,snapkv,full"
-ENGINES = ("vanilla", "kvsieve")
+ENGINES = ("vanilla", "kvsieve", "kvsieve-nofold")
+#: kvsieve variants: the same engine with these settings (an A/B in one call).
+#: kvsieve-nofold: `full` rows beside compressed ones run SGLang's backend
+#: (radix_ext/forward_graphs.folds_pool_rows).
+VARIANT_ENV = {"kvsieve": {"KVSIEVE_FOLD_POOL_ROWS": "1"}, "kvsieve-nofold": {"KVSIEVE_FOLD_POOL_ROWS": "0"}}
+
+
+def is_kvsieve(name: str) -> bool:
+    return name in VARIANT_ENV
 MAX_MESSAGES = 5  # error messages kept per rate
 LOAD_SAMPLE_S = 0.5
 # Options that may differ between runs merged into one file (the rest must match).
@@ -483,7 +495,7 @@ async def replay(engine, requests: list[dict], params_of, timeout: float) -> tup
 def sampling_params(req: dict, engine_name: str, specs: dict, temperature: float) -> dict:
     params = {"max_new_tokens": req["gen"], "temperature": temperature, "ignore_eos": True,
               "stream_interval": STREAM_INTERVAL}
-    if engine_name == "kvsieve":
+    if is_kvsieve(engine_name):
         params["custom_params"] = {"kv_policy": specs[req["policy"]]["kv_policy"]}
     return params
 
@@ -536,16 +548,19 @@ def engine_kwargs(name: str, args, model: Path, split: dict) -> dict:
     return kwargs
 
 
-def step_log_path(args) -> str:
-    """kvsieve's per-forward log (radix_ext/step_log.py), beside the JSON."""
-    return str(Path(args.out).with_suffix("")) + "-steps.jsonl"
+def step_log_path(args, name: str = "kvsieve") -> str:
+    """A kvsieve engine's per-forward log (radix_ext/step_log.py), beside the JSON."""
+    suffix = "" if name == "kvsieve" else "-" + name.split("-", 1)[1]
+    return str(Path(args.out).with_suffix("")) + f"{suffix}-steps.jsonl"
 
 
 def set_region_env(name: str, split: dict, step_log: str | None = None) -> dict:
     """kvsieve's region pages as the headline sets them, and its step log;
     none for vanilla."""
-    keys = ("KVSIEVE_REGION_PAGES", "KVSIEVE_REGION_QUANT_PAGES", "KVSIEVE_STEP_LOG")
-    if name == "kvsieve":
+    variants = sorted({k for env in VARIANT_ENV.values() for k in env})
+    keys = ("KVSIEVE_REGION_PAGES", "KVSIEVE_REGION_QUANT_PAGES", "KVSIEVE_STEP_LOG", *variants)
+    if is_kvsieve(name):
+        os.environ.update(VARIANT_ENV[name])
         os.environ["KVSIEVE_REGION_PAGES"] = str(split["region_pages"])
         os.environ["KVSIEVE_REGION_QUANT_PAGES"] = str(split["quantized_pages"])
         if step_log:
@@ -698,7 +713,7 @@ def run_engine(name, args, model, shape, split, specs, trace, results, save, t0)
 
     kwargs = engine_kwargs(name, args, model, split)
     entry = results["engines"].setdefault(name, {"rates": {}})
-    entry.update(engine_kwargs=kwargs, env=set_region_env(name, split, step_log_path(args)), date=results["date"],
+    entry.update(engine_kwargs=kwargs, env=set_region_env(name, split, step_log_path(args, name)), date=results["date"],
                  command=results["command"])
     forget_metrics()
     started = time.monotonic()
@@ -758,7 +773,7 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
     try:
         records, cut, load = engine.loop.run_until_complete(replay(
             engine, requests, lambda r: sampling_params(r, name, specs, args.temperature), timeout))
-        figures = summarize(records, cut, args.duration, args.queued_threshold, with_usage=name == "kvsieve")
+        figures = summarize(records, cut, args.duration, args.queued_threshold, with_usage=is_kvsieve(name))
     except Exception as exc:  # noqa: BLE001 - the driver's own failure: recorded, the next rate runs
         entry["rates"][key] = {"rate": rate, "status": "failed", "errors": 1,
                                "error_messages": [f"{type(exc).__name__}: {exc}"[:400]]}
@@ -770,10 +785,11 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
                    cache_flushed=flushed, status="done", date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    command=entry["command"],
                    retracted_counter_delta=None if before is None or after is None else after - before)
-    if name == "kvsieve" and os.path.exists(step_log_path(args)):
+    log = step_log_path(args, name)
+    if is_kvsieve(name) and os.path.exists(log):
         from kvsieve.radix_ext import step_log
 
-        figures["steps"] = step_log.summarize(step_log.read(step_log_path(args)), wall_start, time.time())
+        figures["steps"] = step_log.summarize(step_log.read(log), wall_start, time.time())
     entry["rates"][key] = figures
     print(f"{name:8s} rate {key:>5s}/s: {figures['offered']} offered, {figures['completed']} done, "
           f"{figures['unfinished']} unfinished, {figures['unsent']} unsent, {figures['errors']} errors; "

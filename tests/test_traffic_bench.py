@@ -8,10 +8,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -260,3 +262,22 @@ def test_vanilla_gets_no_kv_policy_and_kvsieve_the_requests_own():
     kvsieve = traffic.sampling_params(req, "kvsieve", specs, 0.7)
     assert "custom_params" not in vanilla and vanilla["max_new_tokens"] == req["gen"] and vanilla["ignore_eos"]
     assert kvsieve == {**vanilla, "custom_params": {"kv_policy": {"name": req["policy"], "budget": 1024}}}
+
+
+def test_the_nofold_variant_is_kvsieve_with_full_rows_on_sglangs_backend(tmp_path, monkeypatch):
+    # The A/B engine: the requests' own policies, its own step log, and the
+    # one setting that differs (set for the engine, cleared for vanilla).
+    req = trace(rates=(2.0,), duration=10.0)[2.0][0]
+    specs = {req["policy"]: {"kv_policy": {"name": req["policy"], "budget": 1024}}}
+    assert traffic.sampling_params(req, "kvsieve-nofold", specs, 0.7) == traffic.sampling_params(req, "kvsieve",
+                                                                                                  specs, 0.7)
+    args = SimpleNamespace(out=str(tmp_path / "t.json"))
+    assert traffic.step_log_path(args, "kvsieve").endswith("t-steps.jsonl")
+    assert traffic.step_log_path(args, "kvsieve-nofold").endswith("t-nofold-steps.jsonl")
+    split = {"region_pages": 64, "quantized_pages": 0}
+    for key in ("KVSIEVE_FOLD_POOL_ROWS", "KVSIEVE_REGION_PAGES", "KVSIEVE_STEP_LOG"):
+        monkeypatch.delenv(key, raising=False)
+    env = traffic.set_region_env("kvsieve-nofold", split, traffic.step_log_path(args, "kvsieve-nofold"))
+    assert env["KVSIEVE_FOLD_POOL_ROWS"] == "0" and env["KVSIEVE_REGION_PAGES"] == "64"
+    assert traffic.set_region_env("kvsieve", split)["KVSIEVE_FOLD_POOL_ROWS"] == "1"
+    assert traffic.set_region_env("vanilla", split) == {} and "KVSIEVE_FOLD_POOL_ROWS" not in os.environ
