@@ -550,7 +550,7 @@ def engine_kwargs(name: str, args, model: Path, split: dict) -> dict:
 
 def step_log_path(args, name: str = "kvsieve") -> str:
     """A kvsieve engine's per-forward log (radix_ext/step_log.py), beside the JSON."""
-    suffix = "" if name == "kvsieve" else "-" + name.split("-", 1)[1]
+    suffix = "-" + name.split("-", 1)[1] if is_kvsieve(name) and name != "kvsieve" else ""
     return str(Path(args.out).with_suffix("")) + f"{suffix}-steps.jsonl"
 
 

@@ -274,6 +274,7 @@ def test_the_nofold_variant_is_kvsieve_with_full_rows_on_sglangs_backend(tmp_pat
     args = SimpleNamespace(out=str(tmp_path / "t.json"))
     assert traffic.step_log_path(args, "kvsieve").endswith("t-steps.jsonl")
     assert traffic.step_log_path(args, "kvsieve-nofold").endswith("t-nofold-steps.jsonl")
+    assert traffic.step_log_path(args, "vanilla").endswith("t-steps.jsonl")  # asked for every engine, used by none
     split = {"region_pages": 64, "quantized_pages": 0}
     for key in ("KVSIEVE_FOLD_POOL_ROWS", "KVSIEVE_REGION_PAGES", "KVSIEVE_STEP_LOG"):
         monkeypatch.delenv(key, raising=False)
