@@ -51,8 +51,8 @@ TIMED = ("meta_ms", "host_stack_ms", "host_groups_ms", "gpu_stack_ms", "gpu_grou
 class StepLog:
     def __init__(self, path: str):
         # Line-buffered: a reader sees every finished forward (a write per
-        # forward costs microseconds against steps of milliseconds), and a
-        # scheduler killed at shutdown loses nothing.
+        # forward costs microseconds against steps of milliseconds); a
+        # scheduler killed at shutdown loses only the forward in flight.
         self.file = open(path, "a", buffering=1)
         self.pending: Optional[dict] = None  # this forward's line, written when the next one starts
         self.marks: dict = {}  # name -> (host perf_counter, CUDA event or None)
