@@ -403,6 +403,15 @@ class Serve:
                 out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
         return out
 
+    def engine_ttft_totals(self) -> tuple[float, float]:
+        """Sum and count of the replicas' own TTFT histogram (time from a
+        request's arrival at its engine replica): beside the client's TTFT it
+        splits the engines from the front end (proxy, ingress, router)."""
+        text = self.metrics()
+        total = sum(s.value for s in metric_samples(text, "kvsieve_time_to_first_token_seconds_sum"))
+        count = sum(s.value for s in metric_samples(text, "kvsieve_time_to_first_token_seconds_count"))
+        return total, count
+
     def stop(self) -> dict:
         started = time.monotonic()
         code = None
@@ -524,9 +533,15 @@ def radix_figures(records: list[dict], cut: float | None) -> dict:
             "requests_with_usage": len(done)}
 
 
+def mean_client_ttft(records: list[dict]) -> float | None:
+    ttft = [r["chunks"][0][0] - r["sent"] for r in records if r["chunks"] and r["sent"] is not None]
+    return round(sum(ttft) / len(ttft), 3) if ttft else None
+
+
 def run_load(svc: Serve, args, trace: list[dict], specs: dict, timeout: float) -> dict:
     time.sleep(3)  # the warm-up's requests reach the hub first (replicas push every 2 s)
     before = svc.requests_per_replica()
+    ttft_before = svc.engine_ttft_totals()
     started = time.monotonic()
     records, cut = asyncio.run(replay(svc.url, trace, specs, args, timeout))
     wall = time.monotonic() - started
@@ -534,6 +549,10 @@ def run_load(svc: Serve, args, trace: list[dict], specs: dict, timeout: float) -
     time.sleep(3)  # one metrics push (2 s) and some
     after = svc.requests_per_replica()
     per_replica = {k: int(after.get(k, 0) - before.get(k, 0)) for k in sorted(set(after) | set(before))}
+    ttft_after = svc.engine_ttft_totals()
+    served = ttft_after[1] - ttft_before[1]
+    figures["engine_ttft_mean_s"] = round((ttft_after[0] - ttft_before[0]) / served, 3) if served else None
+    figures["client_ttft_mean_s"] = mean_client_ttft(records)
     figures.update(radix_figures(records, cut))
     figures.update(wall_s=round(wall, 1), timeout_s=round(timeout, 1), requests_per_replica=per_replica,
                    error_messages=sorted({r["error"] for r in records if r["error"]})[:MAX_MESSAGES])
@@ -779,7 +798,7 @@ def main(argv: list[str]) -> int:
             L = entry["load"]
             print(f"{name}: {L['offered']} offered, {L['completed']} done, {L['unfinished']} unfinished, "
                   f"{L['errors']} errors; goodput {L['goodput_tok_s']} tok/s; TTFT p50/p99 {L['ttft_p50_s']}/"
-                  f"{L['ttft_p99_s']} s; TPOT p50/p99 {L['tpot_p50_ms']}/{L['tpot_p99_ms']} ms; radix hit rate "
+                  f"{L['ttft_p99_s']} s (mean {L['client_ttft_mean_s']} s; at the engines {L['engine_ttft_mean_s']} s); TPOT p50/p99 {L['tpot_p50_ms']}/{L['tpot_p99_ms']} ms; radix hit rate "
                   f"{L['radix_hit_rate']} (shared {L['shared_fraction']}); per replica {L['requests_per_replica']}"
                   + (f"; first error {L['error_messages'][0]}" if L["error_messages"] else ""), flush=True)
             ok &= L["errors"] == 0 and not entry["warmup"]["errors"]

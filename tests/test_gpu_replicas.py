@@ -73,6 +73,8 @@ def test_quick_runs_ray_serve_replicas_load_and_a_kill_on_cpu(tmp_path):
     assert setup["status"] == "done" and load["errors"] == 0 and load["completed"] == load["offered"] > 0
     assert load["goodput_tok_s"] > 0 and load["tpot_p50_ms"] is not None
     assert load["radix_hit_rate"] is not None and len(load["requests_per_replica"]) == 2
+    # The engines' own TTFT (from arrival at the replica) is part of the client's.
+    assert 0 < load["engine_ttft_mean_s"] <= load["client_ttft_mean_s"]
     kill = result["kill"]
     assert kill["ok"] and kill["finished"] > 0 and kill["failed"] == kill["failed_cleanly"] > 0
     assert kill["recovered"] and kill["victim_pid"] not in kill["replica_pids_after"]
