@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
+import os
 import platform
 import random
 import socket
@@ -31,13 +31,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def load_gpu_replicas():
-    spec = importlib.util.spec_from_file_location("gpu_replicas", REPO / "bench/gpu_replicas.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_replicas  # noqa: E402  (its client, `replay`, is what this measures)
+from gpu_replicas import free_port  # noqa: E402
+from traffic import percentile  # noqa: E402
 
 
 # ----- the stand-in server (run as `--serve PORT ...` in a child process) -----
@@ -81,12 +78,6 @@ def serve(port: int, prefill_s: float, tpot_s: float, chunk_tokens: int) -> None
 
 # ----- the client side -----
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_up(port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -107,13 +98,6 @@ def poisson_trace(rate: float, duration: float, gen_min: int, gen_max: int, prom
             return trace
         trace.append({"id": len(trace), "arrival": t, "prompt": [1] * prompt_tokens, "policy": "full",
                       "gen": rng.randint(gen_min, gen_max)})
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
 def figures(trace: list[dict], records: list[dict], prefill_s: float, chunk_tokens: int) -> dict:
@@ -153,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve is not None:
         serve(args.serve, prefill_s, tpot_s, args.chunk_tokens)
         return 0
-    gpu_replicas = load_gpu_replicas()
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--prefill-ms", str(args.prefill_ms),
                               "--tpot-ms", str(args.tpot_ms), "--chunk-tokens", str(args.chunk_tokens)])
@@ -174,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         child.terminate()
         child.wait(timeout=30)
     record = {"kind": "client_capacity", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} CPUs; "
+              "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs; "
                          "the stand-in server shares them)",
               "command": "python bench/client_capacity.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "config": {k: v for k, v in vars(args).items() if k not in ("serve", "out")}, "rates": results}

@@ -396,21 +396,19 @@ class Serve:
             time.sleep(1)
         raise TimeoutError(f"{n} engine replicas not up in {timeout:.0f} s:\n{self.log_tail()}")
 
-    def requests_per_replica(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for s in metric_samples(self.metrics(), "kvsieve_requests_total"):
-            if "replica" in s.labels:
-                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
-        return out
-
-    def engine_ttft_totals(self) -> tuple[float, float]:
-        """Sum and count of the replicas' own TTFT histogram (time from a
-        request's arrival at its engine replica): beside the client's TTFT it
-        splits the engines from the front end (proxy, ingress, router)."""
+    def load_counters(self) -> dict:
+        """From one read of /metrics: requests per engine replica, and the sum
+        and count of the replicas' own TTFT histogram (time from a request's
+        arrival at its engine replica), which beside the client's TTFT splits
+        the engines from the front end (proxy, ingress, router)."""
         text = self.metrics()
-        total = sum(s.value for s in metric_samples(text, "kvsieve_time_to_first_token_seconds_sum"))
-        count = sum(s.value for s in metric_samples(text, "kvsieve_time_to_first_token_seconds_count"))
-        return total, count
+        per_replica: dict[str, float] = {}
+        for s in metric_samples(text, "kvsieve_requests_total"):
+            if "replica" in s.labels:
+                per_replica[s.labels["replica"]] = per_replica.get(s.labels["replica"], 0.0) + s.value
+        return {"per_replica": per_replica,
+                "ttft_sum": sum(s.value for s in metric_samples(text, "kvsieve_time_to_first_token_seconds_sum")),
+                "ttft_count": sum(s.value for s in metric_samples(text, "kvsieve_time_to_first_token_seconds_count"))}
 
     def stop(self) -> dict:
         started = time.monotonic()
@@ -540,18 +538,17 @@ def mean_client_ttft(records: list[dict]) -> float | None:
 
 def run_load(svc: Serve, args, trace: list[dict], specs: dict, timeout: float) -> dict:
     time.sleep(3)  # the warm-up's requests reach the hub first (replicas push every 2 s)
-    before = svc.requests_per_replica()
-    ttft_before = svc.engine_ttft_totals()
+    before = svc.load_counters()
     started = time.monotonic()
     records, cut = asyncio.run(replay(svc.url, trace, specs, args, timeout))
     wall = time.monotonic() - started
     figures = summarize(records, cut, args.duration, 1.0, with_usage=True)
     time.sleep(3)  # one metrics push (2 s) and some
-    after = svc.requests_per_replica()
-    per_replica = {k: int(after.get(k, 0) - before.get(k, 0)) for k in sorted(set(after) | set(before))}
-    ttft_after = svc.engine_ttft_totals()
-    served = ttft_after[1] - ttft_before[1]
-    figures["engine_ttft_mean_s"] = round((ttft_after[0] - ttft_before[0]) / served, 3) if served else None
+    after = svc.load_counters()
+    a, b = after["per_replica"], before["per_replica"]
+    per_replica = {k: int(a.get(k, 0) - b.get(k, 0)) for k in sorted(set(a) | set(b))}
+    served = after["ttft_count"] - before["ttft_count"]
+    figures["engine_ttft_mean_s"] = round((after["ttft_sum"] - before["ttft_sum"]) / served, 3) if served else None
     figures["client_ttft_mean_s"] = mean_client_ttft(records)
     figures.update(radix_figures(records, cut))
     figures.update(wall_s=round(wall, 1), timeout_s=round(timeout, 1), requests_per_replica=per_replica,
@@ -798,7 +795,8 @@ def main(argv: list[str]) -> int:
             L = entry["load"]
             print(f"{name}: {L['offered']} offered, {L['completed']} done, {L['unfinished']} unfinished, "
                   f"{L['errors']} errors; goodput {L['goodput_tok_s']} tok/s; TTFT p50/p99 {L['ttft_p50_s']}/"
-                  f"{L['ttft_p99_s']} s (mean {L['client_ttft_mean_s']} s; at the engines {L['engine_ttft_mean_s']} s); TPOT p50/p99 {L['tpot_p50_ms']}/{L['tpot_p99_ms']} ms; radix hit rate "
+                  f"{L['ttft_p99_s']} s (mean {L['client_ttft_mean_s']} s, at the engines "
+                  f"{L['engine_ttft_mean_s']} s); TPOT p50/p99 {L['tpot_p50_ms']}/{L['tpot_p99_ms']} ms; radix hit rate "
                   f"{L['radix_hit_rate']} (shared {L['shared_fraction']}); per replica {L['requests_per_replica']}"
                   + (f"; first error {L['error_messages'][0]}" if L["error_messages"] else ""), flush=True)
             ok &= L["errors"] == 0 and not entry["warmup"]["errors"]

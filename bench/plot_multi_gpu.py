@@ -41,8 +41,7 @@ def tp_bars(tp: dict) -> list[tuple[str, float, float]]:
     bars = []
     for a, b in zip(one.get("headline") or [], two.get("headline") or []):
         bars.append((f"headline\n{a['policy']}", a["tokens_per_s"], b["tokens_per_s"]))
-    w1 = {w["name"]: w for w in one["workloads"]} if isinstance(one["workloads"], list) else one["workloads"]
-    w2 = {w["name"]: w for w in two["workloads"]} if isinstance(two["workloads"], list) else two["workloads"]
+    w1, w2 = ({w["name"]: w for w in run["workloads"]} for run in (one, two))
     solos = [n for n in w1 if n.startswith("solo:") and n in w2]
     if solos:
         bars.append(("gate solos\n(mean)", sum(w1[n]["tokens_per_s"] for n in solos) / len(solos),
