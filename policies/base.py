@@ -162,6 +162,13 @@ class Policy:
     #: group. CrystalCache hands its breath-cycle snapshot to the host per
     #: group: it decides whole.
     decides_rows_apart: ClassVar[bool] = True
+    #: Whether select_decode / observe_decode of a row in one layer reads
+    #: nothing of which layer it is (not batch.layer, no per-(row, layer)
+    #: buffer): only its slots, observations and per-row inputs. The engine
+    #: may then stack several layers' rows into one call where the groups
+    #: run after the decoder stack (radix_ext/layer_blocks.py): the same
+    #: work in a k-th of the kernels.
+    decides_layers_apart: ClassVar[bool] = False
 
     # ----- batched decisions (inside the forward) ---------------------------
     def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:

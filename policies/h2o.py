@@ -16,6 +16,7 @@ class H2OPolicy(Policy):
     keeps_slot_state = True
     description = "Heavy hitters by accumulated attention plus recent tokens."
     graph_safe = True
+    decides_layers_apart = True  # nothing per layer but its slots and observations
 
     @classmethod
     def observation_window(cls, params, private_prompt):

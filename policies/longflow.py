@@ -38,6 +38,7 @@ class LongFlowPolicy(Policy):
     compress_prompt = True
     description = "Static cache: each step the new token overwrites the lowest |p*v| slot of the layer."
     graph_safe = True
+    decides_layers_apart = True  # nothing per layer but its slots and observations
     crosses_heads = True  # its decode pass reduces over every rank's heads
 
     def select_prefill(self, batch, view, obs):

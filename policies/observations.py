@@ -179,6 +179,16 @@ class PolicyBatch:
     #: This rank's share of the kv heads (tensor parallelism): reduce over
     #: it whatever a decision combines across heads.
     heads: HeadShards = LOCAL_HEADS
+    #: A pass over several layers stacked as rows (radix_ext/layer_blocks.py,
+    #: Policy.decides_layers_apart): each row's layer [R] on the device and
+    #: the layers on the host, in order; None: every row is in `layer`.
+    layers: Optional[torch.Tensor] = None
+    layer_ids: Optional[list] = None
+
+    def row_layers(self):
+        """Each row's layer: the [R] tensor of a stacked pass, else `layer`
+        (either indexes a per-(row, layer) buffer as buffer[pool_rows, it])."""
+        return self.layer if self.layers is None else self.layers
 
     def param(self, name: str) -> torch.Tensor:
         return self.params[name]

@@ -68,6 +68,7 @@ class SnapKVPolicy(Policy):
     compress_prompt = True
     description = "Prefill-time selection by the attention of the prompt's last queries."
     graph_safe = True
+    decides_layers_apart = True  # nothing per layer but its slots and observations
 
     def select_prefill(self, batch, view, obs):
         keep = snapkv_keep(view, obs.attention, batch.param("window"), batch.param("kernel"),

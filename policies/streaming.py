@@ -21,6 +21,7 @@ class StreamingPolicy(Policy):
     Params = StreamingParams
     description = "Attention sinks plus a sliding window of recent tokens."
     graph_safe = True
+    decides_layers_apart = True  # nothing per layer but its slots and observations
 
     @classmethod
     def check_budget(cls, params, budget, budget_ratio):

@@ -39,8 +39,8 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import (faults, forward_graphs, head_parallel, layer0_probe, memory_plan, memory_split, metrics, region_graphs,
-               tbq_store)
+from . import (faults, forward_graphs, head_parallel, layer0_probe, layer_blocks, memory_plan, memory_split, metrics,
+               region_graphs, step_meta, tbq_store)
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
@@ -95,6 +95,12 @@ class KvsieveAttnBackend(AttentionBackend):
     #: Need.QUERIES: every req_pool row's latest decode queries, made at the
     #: first step that needs them (query_ring.py).
     query_ring: Optional[QueryRing] = None
+    #: Slots one group pass may span (memory_plan: pass_scratch), which
+    #: bounds a stacked pass's layers (layer_blocks.py); None off the plan (CPU).
+    pass_slots: Optional[int] = None
+    #: Policy calls run on the host (eagerly, or recorded into a graph): a
+    #: stacked pass is one call for its layers.
+    policy_calls: int = 0
 
     def __init__(self, model_runner):
         super().__init__()
@@ -146,6 +152,7 @@ class KvsieveAttnBackend(AttentionBackend):
         # As wide as the plan made their prefix tables (where the region was
         # carved on a GPU), else the setting's own bound.
         work = memory_split.workspace
+        self.pass_slots = work.pass_scratch // (2 * memory_plan.PASS_BYTES_PER_SLOT) if work is not None else None
         self.steps.fold_max_tokens = work.fold_tokens if work is not None else \
             memory_plan.fold_max_tokens(model_runner.model_config.context_len)
         self.step_log = StepLog.from_env()  # KVSIEVE_STEP_LOG: where a serving run's time goes
@@ -435,6 +442,63 @@ class KvsieveAttnBackend(AttentionBackend):
                                                            group.width * self.pages.config.page_size),
                          prefill=False, stage="decide" if deciding else "observe")
 
+    def decode_group_layers(self, group, layers: list, obs: list) -> None:
+        """One group's decode pass over `layers` (each with its observations
+        in `obs`), after the decoder stack: in blocks of layers stacked as
+        rows where the policy decides layers apart (layer_blocks.py), else
+        one layer at a time."""
+        block = self._layer_block(group)
+        if block < 2 or len(layers) < 2:
+            for layer, layer_obs in zip(layers, obs):
+                self.decode_group(group, layer, layer_obs)
+            return
+        obs_of = {layer.layer_id: layer_obs for layer, layer_obs in zip(layers, obs)}
+        for run in layer_blocks.blocks(layers, block):
+            if len(run) == 1:
+                self.decode_group(group, run[0], obs_of[run[0].layer_id])
+            else:
+                self._decode_group_block(group, run, [obs_of[layer.layer_id] for layer in run])
+
+    def _layer_block(self, group) -> int:
+        """Layers per stacked pass of `group` (1: none), from the plan's bounds."""
+        policy = group.policy
+        if (not policy.decides_layers_apart or policy.observes_first_layer_only or group.layer_ids is not None
+                or not group.members or not group.splittable()):
+            return 1
+        p = self.pages
+        heads, slots = p.table.shape[2], group.width * p.config.page_size
+        key_rows = None
+        if group.action == "decide" and policy.needs & Need.KEYS:
+            key_rows = step_meta.decision_rows_limit(heads, slots, p.config.head_dim, p.k.element_size())
+        return layer_blocks.block_size(len(group.members), heads, slots, p.table.shape[1], self.pass_slots, key_rows)
+
+    def _decode_group_block(self, group, run: list, obs: list) -> None:
+        """`group` over the consecutive layers `run` as one call. Out of
+        memory (eagerly): those layers one at a time instead, each with the
+        one-layer pass's own retry on halves of the rows."""
+        if group.failed:
+            return
+        first = run[0].layer_id
+        stacked = group.over_layers([layer.layer_id for layer in run])
+        slots = group.width * self.pages.config.page_size
+        table = layer_blocks.stacked_table(self.pages.table, group.pool_rows, first, len(run), group.width)
+        parts = layer_blocks.stack_observations([observed_rows(group.policy, o, group.rows, slots) for o in obs])
+        try:
+            self._call_policy(stacked, run[0], table, parts, prefill=False)
+        except Exception as exc:  # noqa: BLE001 - policy code: its fault stays with its requests
+            if faults.capturing():
+                raise  # a capture that fails is dropped (region_graphs.RegionGraphs)
+            if faults.is_out_of_memory(exc):
+                del exc  # its traceback holds the tensors that did not fit
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                for layer, layer_obs in zip(run, obs):
+                    self.decode_group(group, layer, layer_obs)
+                return
+            faults.fail_requests(group.requests, group.policy.name,
+                                 "decide" if group.action == "decide" else "observe", exc)
+            group.failed = True
+
     @staticmethod
     def group_idle(group, layer) -> bool:
         """Whether a decode group does nothing in this layer: it failed in
@@ -471,6 +535,15 @@ class KvsieveAttnBackend(AttentionBackend):
             faults.fail_requests(group.requests, group.policy.name, stage, exc)
             group.failed = True
 
+    def _recent_queries(self, group, layer):
+        """The query ring of the group's rows in `layer`, or, for a stacked
+        group, in each of its layers (layer-major, as its rows)."""
+        if group.layer_ids is None:
+            return self.query_ring.recent(layer.layer_id, group.pool_rows)
+        n = group.pool_rows.shape[0] // len(group.layer_ids)
+        rings = [self.query_ring.recent(lid, group.pool_rows[:n]) for lid in group.layer_ids]
+        return torch.cat([q for q, _ in rings]), torch.cat([pos for _, pos in rings])
+
     def _call_policy(self, group, layer, table, obs, prefill) -> None:
         """`obs` holds the rows of `table`, in order."""
         p = self.pages
@@ -493,8 +566,9 @@ class KvsieveAttnBackend(AttentionBackend):
             if deciding and not prefill and policy.needs & Need.QUERIES and self.query_ring is not None:
                 # From the ring's persistent buffers by the group's own rows:
                 # a captured group pass reads the same ones on replay.
-                view.queries, view.query_position = self.query_ring.recent(layer.layer_id, group.pool_rows)
+                view.queries, view.query_position = self._recent_queries(group, layer)
         batch = group.batch(layer.layer_id, table.shape[1])
+        self.policy_calls += 1
         if prefill:
             decide = policy.select_prefill
         else:

@@ -563,9 +563,9 @@ class RegionGraphs:
         eagerly on the live group where it has no segment; else the
         segment's graph under `key` (a layer id, or ALL_LAYERS) replayed, or
         run on the static group and captured."""
+        layers, obs = [layer for layer, _ in passes], [layer_obs for _, layer_obs in passes]
         if gentry is None or gentry.eager:
-            for layer, layer_obs in passes:
-                backend.decode_group(group, layer, layer_obs)  # eagerly, on the live group
+            backend.decode_group_layers(group, layers, obs)  # eagerly, on the live group
             return
         self.watch_table(backend.pages.table)
         if gentry.generation != self.observations.generation or gentry.table_version != self.table_version:
@@ -578,8 +578,7 @@ class RegionGraphs:
             return
 
         def group_pass():
-            for layer, layer_obs in passes:
-                backend.decode_group(gentry.group, layer, layer_obs)
+            backend.decode_group_layers(gentry.group, layers, obs)
 
         faults_before = faults.count
         group_pass()

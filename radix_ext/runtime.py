@@ -353,9 +353,11 @@ class KVRuntime:
         self.overflow_flags[row].zero_()
 
     def count_evictions(self, rows: torch.Tensor, evicted: torch.Tensor) -> None:
-        """Inside the forward: add a layer's evicted slots per row."""
-        self.counters[rows, 0] += evicted
-        self.counters[rows, 1] += (evicted > 0).long()
+        """Inside the forward: add a layer's evicted slots per row. A row may
+        come more than once (a pass over several layers: layer_blocks.py),
+        so the adds accumulate rather than assign."""
+        evicted = evicted.long()
+        self.counters.index_add_(0, rows, torch.stack([evicted, (evicted > 0).long()], dim=1))
 
     def flag_overflow(self, rows: torch.Tensor, no_room: torch.Tensor) -> None:
         """Inside the forward: rows that found no free slot for their new token."""

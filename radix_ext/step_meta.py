@@ -194,6 +194,9 @@ class PolicyGroup:
     #: through the step's table, so neither its work nor its captured graph
     #: depends on the step's other rows (region_graphs.py).
     width: int = 0
+    #: A stacked pass (layer_blocks.py): the layers its rows repeat over,
+    #: layer-major (rows i*Rg..(i+1)*Rg-1 are layer_ids[i]'s); None: one layer.
+    layer_ids: Optional[list] = None
 
     def splittable(self) -> bool:
         """Whether every parameter and input is laid out per row (subset can
@@ -211,15 +214,38 @@ class PolicyGroup:
             max_rows=self.max_rows, members=[self.members[i] for i in positions], action=action,
             requests=[self.requests[i] for i in positions], width=self.width)
 
+    def over_layers(self, layer_ids: list) -> "PolicyGroup":
+        """The group's rows once per layer of `layer_ids` (consecutive), as
+        one group of len(layer_ids) x Rg rows, layer-major (layer_blocks.py).
+        Needs every parameter and input laid out per row (splittable)."""
+        from .layer_blocks import repeat_rows
+
+        k = len(layer_ids)
+        return PolicyGroup(
+            policy=self.policy, rows=repeat_rows(self.rows, k), budget=repeat_rows(self.budget, k),
+            step=repeat_rows(self.step, k), params={n: repeat_rows(t, k) for n, t in self.params.items()},
+            maxima=self.maxima, inputs={n: repeat_rows(t, k) for n, t in self.inputs.items()},
+            pool_rows=repeat_rows(self.pool_rows, k), max_rows=self.max_rows, members=self.members * k,
+            action=self.action, requests=self.requests, failed=self.failed, width=self.width,
+            layer_ids=list(layer_ids))
+
     def batch(self, layer: int, num_kv_heads: int) -> PolicyBatch:
         per_layer = self.inputs.get("budget")
-        if per_layer is not None and per_layer.dim() == 3:
+        if per_layer is not None and per_layer.dim() == 3 and self.layer_ids is not None:
+            n = per_layer.shape[0] // len(self.layer_ids)  # each stacked layer's rows take its own budgets
+            budget = torch.cat([per_layer[i * n:(i + 1) * n, lid] for i, lid in enumerate(self.layer_ids)])
+        elif per_layer is not None and per_layer.dim() == 3:
             budget = per_layer[:, layer]
         else:
             budget = self.budget.unsqueeze(1).expand(-1, num_kv_heads)
+        layers = None
+        if self.layer_ids is not None:  # consecutive ids (layer_blocks.blocks), each for a run of rows
+            first, k = self.layer_ids[0], len(self.layer_ids)
+            layers = torch.arange(first, first + k, device=self.step.device).repeat_interleave(
+                self.step.shape[0] // k, output_size=self.step.shape[0])
         return PolicyBatch(layer=layer, budget=budget, step=self.step, params=self.params, maxima=self.maxima,
                            inputs=self.inputs, pool_rows=self.pool_rows, max_rows=self.max_rows,
-                           heads=head_parallel.SHARDS)
+                           heads=head_parallel.SHARDS, layers=layers, layer_ids=self.layer_ids)
 
 
 @dataclass

@@ -202,6 +202,28 @@ def test_a_batch_with_full_rows_replays_whole_and_each_row_equals_its_solo_run(l
     assert region_idle(rerun_server)
 
 
+def test_group_passes_stacked_over_layers_after_the_replayed_stack_equal_the_solo_runs(llama_server, rerun_server):
+    # The groups run after the stack, each stacking-policy group's layers in
+    # one call (radix_ext/layer_blocks.py; the plan is off on CPU, so all of
+    # the tiny model's layers at once). rkv scoring as the paper reads the
+    # query ring of each stacked layer; skipkv reads keys; longflow the
+    # fused pass's |p*v|. Each row's tokens equal its solo run.
+    policies = [{"name": "rkv", "budget": 8, "params": {"scoring": "paper"}}, policy_for("skipkv"),
+                policy_for("longflow"), policy_for("h2o"), {"name": "rkv", "budget": 8, "params": {"scoring": "paper"}}]
+    prompts = [prompt_for(40 + i) for i in range(len(policies))]
+    solo = [complete(llama_server, p, k, max_tokens=GEN)["choices"][0]["token_ids"] for p, k in zip(prompts, policies)]
+    before = metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward")
+    batched = complete_together(rerun_server, list(zip(prompts, policies)), max_tokens=GEN)
+    for i, policy in enumerate(policies):
+        assert batched[i]["choices"][0]["token_ids"] == solo[i], policy
+    assert all(b["kv_usage"]["evicted_tokens"] > 0 for b in batched)
+    # Evictions counted once per (row, layer) pass, stacked or not.
+    assert [b["kv_usage"]["evicted_tokens"] for b in batched] == [
+        complete(llama_server, p, k, max_tokens=GEN)["kv_usage"]["evicted_tokens"] for p, k in zip(prompts, policies)]
+    assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") - before >= GEN // 4
+    assert region_idle(rerun_server)
+
+
 def test_a_stack_that_cannot_be_recorded_runs_eagerly_from_then_on(runtime):
     _two_rows(runtime)
 

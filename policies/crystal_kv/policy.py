@@ -120,6 +120,7 @@ class CrystalKVPolicy(Policy):
     needs = Need.ATTENTION | Need.TOKEN_IDS
     keeps_slot_state = True
     graph_safe = True  # tests_gpu/test_region_pass_cuda.py: replay equals the eager pass, no host sync
+    decides_layers_apart = True  # its per-(row, layer) CRF sums are written at batch.row_layers()
     # select_decode = the LRFU step of observe_decode + an eviction masked by
     # the cadence (the overflow guard cannot fire between two cadence steps).
     pads_decisions = True
@@ -312,4 +313,4 @@ class CrystalKVPolicy(Policy):
         if buffer is None or buffer.shape[0] < batch.max_rows or buffer.device != sums.device:
             buffer = self._crf_sums = torch.zeros(max(batch.max_rows, 1), self.model.num_layers, heads,
                                                   dtype=torch.float32, device=sums.device)
-        buffer[batch.pool_rows, batch.layer] = sums.float()
+        buffer[batch.pool_rows, batch.row_layers()] = sums.float()

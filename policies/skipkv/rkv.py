@@ -81,6 +81,7 @@ class RKVBase(Policy):
     needs = Need.ATTENTION | Need.KEYS
     keeps_slot_state = True
     pads_decisions = True  # select_decode = observe_decode + an eviction masked by due_heads
+    decides_layers_apart = True  # the query ring is read per layer by the engine; the rest is per row
 
     def _group_size(self) -> int:
         """Query heads per kv head: attention arrives summed over the group;

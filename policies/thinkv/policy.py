@@ -169,6 +169,7 @@ class ThinKVPolicy(Policy):
     #: unless a recent step had them; the steps between cuts only record
     #: sparsity and replay one graph.
     graph_safe = True
+    decides_layers_apart = True  # its sparsity is recorded per row at batch.row_layers(); the cut is per row
     crosses_heads = True  # its decode pass reduces over every rank's heads
     #: select_decode on a row that cuts nothing is its observe_decode: the
     #: row's targets are _NO_TARGET and it lists no segment.
@@ -389,18 +390,35 @@ class ThinKVPolicy(Policy):
         chosen = batch.inputs.get("sparsity_layers")  # [R, layers]: rows with layer sets of their own
         if obs.sparsity is None or batch.pool_rows is None:
             return
-        if chosen is None and batch.layer not in self._layer_set:
+        stacked = batch.layers is not None  # several layers' rows (radix_ext/layer_blocks.py)
+        if chosen is None and not stacked and batch.layer not in self._layer_set:
             return
-        layers = self.model.num_layers if self.model is not None else batch.layer + 1
+        top = max(batch.layer_ids) if stacked else batch.layer
+        layers = self.model.num_layers if self.model is not None else top + 1
         if self._sparsity is None or self._sparsity.shape[0] < batch.max_rows or self._sparsity.shape[1] < layers:
             self._sparsity = torch.full((max(batch.max_rows, 1), layers), float("nan"),
                                         device=obs.sparsity.device)
         first_step = (batch.step % batch.param("refresh")) == 0  # [R]
-        if chosen is not None:
+        row_layer = batch.row_layers()
+        if chosen is not None and stacked:
+            first_step = first_step & chosen.gather(1, row_layer.view(-1, 1)).squeeze(1)
+        elif chosen is not None:
             first_step = first_step & chosen[:, batch.layer]
-        held = self._sparsity[batch.pool_rows, batch.layer]
+        elif stacked:  # the rows whose layer is one the calibration records
+            first_step = first_step & self._layer_set_mask(layers, obs.sparsity.device)[row_layer]
+        held = self._sparsity[batch.pool_rows, row_layer]
         layer_sparsity = batch.heads.mean(obs.sparsity.float().mean(-1))  # over every rank's query heads
-        self._sparsity[batch.pool_rows, batch.layer] = torch.where(first_step, layer_sparsity, held)
+        self._sparsity[batch.pool_rows, row_layer] = torch.where(first_step, layer_sparsity, held)
+
+    def _layer_set_mask(self, layers: int, device) -> torch.Tensor:
+        """[layers] bool: the calibration's layer set on the device, made once
+        (in the eager pass that precedes any capture of a stacked pass)."""
+        key = (self._layer_set, layers, str(device))
+        if getattr(self, "_layer_mask_key", None) != key:
+            mask = torch.zeros(layers, dtype=torch.bool)
+            mask[[layer for layer in self._layer_set if layer < layers]] = True
+            self._layer_mask_tensor, self._layer_mask_key = mask.to(device), key
+        return self._layer_mask_tensor
 
     def _cut(self, batch, view, prefill: bool):
         inputs = batch.inputs

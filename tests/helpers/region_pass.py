@@ -163,20 +163,25 @@ def random_qkv(rows: int, shapes: Shapes, generator: torch.Generator, device: st
 
 
 def run_steps(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shapes, budget: int, device: str,
-              dtype=torch.bfloat16, graphs=None, params: dict | None = None, token_ids: bool = False) -> dict:
+              dtype=torch.bfloat16, graphs=None, params: dict | None = None, token_ids: bool = False,
+              pass_slots: int | None = None) -> dict:
     """Decode steps 0..steps-1 of `rows` requests on random q/k/v (seeded:
     two calls see the same pool and inputs): every step's outputs, the
-    region's final state, and (captures, replays) when graphs ran."""
+    region's final state, (captures, replays) when graphs ran, and the
+    policy calls made. `pass_slots`: the plan's bound on a group pass
+    (KvsieveAttnBackend.pass_slots; None: unplanned)."""
     torch.manual_seed(0)  # the token pool's random prefix K/V
     run = region_pass(policy, rows, prompt, steps, shapes=shapes, budget=budget, device=device, dtype=dtype,
                       graphs=graphs, params=params, token_ids=token_ids)
+    run.backend.pass_slots = pass_slots
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         outputs = torch.stack([run.step(s, *random_qkv(rows, shapes, gen, device, dtype)) for s in range(steps)])
         if device == "cuda":
             torch.cuda.synchronize()
         stats = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
-        return {"outputs": outputs, "state": run.region_state(), "captures_replays": stats}
+        return {"outputs": outputs, "state": run.region_state(), "captures_replays": stats,
+                "policy_calls": run.backend.policy_calls}
     finally:
         run.close()
 

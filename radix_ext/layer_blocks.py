@@ -1,0 +1,102 @@
+"""A policy group's decode pass over a block of layers as one call.
+
+Where the policy groups run after the decoder stack (region_graphs.
+RegionGraphs.defer_groups) every layer's observations are there at once,
+and a group's pass is the same few dozen small kernels in each of the
+model's layers: under traffic the groups of a mixed batch cost ~16 ms of
+GPU time a step whatever the rows (docs/gpu-kernels.md, "Where a replayed
+traffic step's time goes"), launch-bound. For a policy whose decision of a
+(row, layer) reads nothing of the layer but its slots and observations
+(Policy.decides_layers_apart), k layers of a group of Rg rows are one
+group of k x Rg rows, layer-major: page-table rows, observations, budgets,
+parameters and inputs stacked, one call, one write-back. The kernels fall
+k-fold; the work is the same.
+
+Memory: a stacked pass holds k times a one-layer pass's tensors. The plan
+(memory_plan: pass_scratch) bounds a pass by the region's slots in one
+layer, so a block's slots (k x Rg x heads x slots a head) stay within that
+bound, and a key reader's block within the rows one decision may gather
+keys for (step_meta.decision_rows_limit). A group as large as the plan
+allows runs one layer at a time, as before: stacking pays where groups are
+small, which is where the kernel count is what costs.
+
+KVSIEVE_GROUP_LAYER_BLOCK caps k (default: every layer; 1: off).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+BLOCK_ENV = "KVSIEVE_GROUP_LAYER_BLOCK"
+
+
+def max_block(num_layers: int) -> int:
+    raw = os.environ.get(BLOCK_ENV)
+    if raw is None or raw == "":
+        return num_layers
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{BLOCK_ENV}={raw!r}: must be a whole number of layers (1: one layer a pass)") from None
+    if value < 1:
+        raise ValueError(f"{BLOCK_ENV}={raw}: must be at least 1 (1: one layer a pass)")
+    return min(value, num_layers)
+
+
+def block_size(rows: int, heads: int, slots: int, num_layers: int, planned_slots: Optional[int],
+               key_rows: Optional[int]) -> int:
+    """Layers per stacked pass of a group of `rows` rows whose heads hold
+    `slots` slots each: at most max_block, at most what keeps the block's
+    slots within `planned_slots` (None: unplanned, CPU) and its rows within
+    `key_rows` (None: the policy reads no keys); at least 1."""
+    k = max_block(num_layers)
+    if planned_slots is not None:
+        k = min(k, planned_slots // max(1, rows * heads * slots))
+    if key_rows is not None:
+        k = min(k, key_rows // max(1, rows))
+    return max(1, k)
+
+
+def blocks(layers: list, k: int) -> list[list]:
+    """Consecutive runs of at most k layers (by layer id), in order; a gap in
+    the ids starts a new run, so each block is a slice of the page table."""
+    out: list[list] = []
+    for layer in layers:
+        run = out[-1] if out else None
+        if run is not None and len(run) < k and layer.layer_id == run[-1].layer_id + 1:
+            run.append(layer)
+        else:
+            out.append([layer])
+    return out
+
+
+def stack_rows(tensors: list) -> Optional[torch.Tensor]:
+    """Per-layer [Rg, ...] tensors as one [k x Rg, ...] (layer-major); None
+    when they are None."""
+    if tensors[0] is None:
+        return None
+    return torch.cat(tensors, dim=0)
+
+
+def repeat_rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """A per-row tensor [Rg, ...] for k layers' rows, layer-major."""
+    return t.repeat(k, *([1] * (t.dim() - 1)))
+
+
+def stack_observations(parts: list):
+    """The Observations of each layer's group rows as those of the stacked rows."""
+    from kvsieve.policies import Observations
+
+    return Observations(attention=stack_rows([o.attention for o in parts]),
+                        pv_norm=stack_rows([o.pv_norm for o in parts]),
+                        sparsity=stack_rows([o.sparsity for o in parts]))
+
+
+def stacked_table(table: torch.Tensor, pool_rows: torch.Tensor, first: int, count: int, width: int) -> torch.Tensor:
+    """Page-table rows of `pool_rows` in layers first..first+count-1, as
+    [count x Rg, H, width] (layer-major) from the table [rows, L, H, M]."""
+    part = table[pool_rows, first:first + count, :, :width]  # [Rg, k, H, width]
+    return part.transpose(0, 1).reshape(-1, *part.shape[2:])
