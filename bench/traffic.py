@@ -800,7 +800,8 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
           + (f"; first error: {figures['error_messages'][0]}" if figures["error_messages"] else ""), flush=True)
     if "steps" in figures:
         print(f"{name:8s} rate {key:>5s}/s: forwards {json.dumps(figures['steps']['modes'])}; decode "
-              f"{json.dumps(figures['steps']['decode_kinds'])}; graphs {json.dumps(figures['steps'].get('graph_counters'))}",
+              f"{json.dumps(figures['steps']['decode_kinds'])}; graphs {json.dumps(figures['steps'].get('graph_counters'))}; "
+              f"compiles {json.dumps(figures['steps'].get('compiles'))}",
               flush=True)
     return figures["errors"] == 0  # cut-off requests are a measurement (overload), errors are not
 

@@ -50,6 +50,17 @@ OBSERVE_BLOCKS_PER_PROGRAM = 8
 #: ln(SPARSITY_THRESHOLD): a probability below threshold x the row max has a
 #: logit below the row's max logit + this.
 LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
+#: Splits the merge kernel is compiled for: one kernel for every default
+#: split count (default_splits gives at most 16), not one per power of two.
+MERGE_SPLITS = 16
+
+# Integers that follow the step's shapes (widths, prefixes, split counts and
+# the strides of scratch sized by them) are not specialized: Triton compiles
+# a kernel per value of "equals 1" and "16 divides it" of each specialized
+# integer, and a flip mid-serving is a compile of seconds while every request
+# waits (tests/interpreted/test_kernel_specialization.py). What stays
+# specialized is fixed per server (the model's and the region's strides) or
+# always a multiple of 16 (the logits' strides, whose stores are vectors).
 
 
 @triton.jit
@@ -313,7 +324,8 @@ def _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scal
     return m, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P_pad", "S", "keys_per_split", "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r",
+                               "spm_h", "sbm_r", "sbm_h"])
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
     PartO, PartM, PartL, Logits, BlockMax,
@@ -417,7 +429,7 @@ def _partial_kernel(
     tl.store(PartL + r * spm_r + hq * spm_h + split, l, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "spo_r", "spo_h", "spm_r", "spm_h"])
 def _merge_kernel(
     PartO, PartM, PartL, Out, Lse, RowMax,
     num_splits, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
@@ -442,7 +454,8 @@ def _merge_kernel(
     tl.store(RowMax + r * heads + hq, top)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P_pad", "S", "first_block", "sbm_r", "sbm_h", "svn_p", "st_r", "st_h", "sat_r",
+                               "sat_h"])
 def _observe_kernel(
     Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen, PrefixLen,
     P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
@@ -614,7 +627,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     _merge_kernel[(R, Hq)](
         part_o, part_m, part_l, out, lse, row_max,
         splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        out.stride(0), out.stride(1), DV=DV, SPLITS=max(2, triton.next_power_of_2(splits)),
+        out.stride(0), out.stride(1), DV=DV, SPLITS=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
     )
     obs = Observations()
     if not observing:

@@ -200,7 +200,7 @@ def _min_argmin(score, slot, cand):
     return best, victim
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "sps_r", "st_r", "st_h", "sat_r", "sat_h"])  # the shapes' integers
 def _fused_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table, VNorm, Position, Protect,
     Out, Attention, PvNorm, Victim, MinScore,
@@ -285,7 +285,7 @@ def _fused_kernel(
         tl.store(MinScore + r, best)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "spv_r", "spv_h", "sva_r", "spo_r"])  # the shapes' integers
 def _select_kernel(PvNorm, Valid, Position, Protect, Victim, MinScore, H, S,
                    spv_r, spv_h, sva_r, spo_r,
                    CHUNK: tl.constexpr, CHUNKS: tl.constexpr):

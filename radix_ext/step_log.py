@@ -19,6 +19,8 @@ line when its metadata is built, before it runs:
              graphs run: forward_graphs.after_stack)
     gpu_stack_ms, gpu_groups_ms  GPU time of the same two parts (CUDA events,
              read when the next forward starts; absent on CPU)
+    compiles Triton kernels compiled during the forward, [{kernel, s}]
+             (radix_ext/compile_watch.py; absent where none compiled)
 
 A line is written when the next forward starts (its times are known then).
 A forward's duration is the next line's t minus its own (the scheduler
@@ -39,6 +41,8 @@ from typing import Optional
 
 import torch
 
+from .compile_watch import CompileWatch
+
 ENV = "KVSIEVE_STEP_LOG"
 #: Forwards slower than this are counted apart (a Triton compile, an eager
 #: pass over new shapes, a capture).
@@ -56,6 +60,7 @@ class StepLog:
         self.file = open(path, "a", buffering=1)
         self.pending: Optional[dict] = None  # this forward's line, written when the next one starts
         self.marks: dict = {}  # name -> (host perf_counter, CUDA event or None)
+        self.compiles = CompileWatch().install()
 
     @classmethod
     def from_env(cls) -> Optional["StepLog"]:
@@ -84,6 +89,9 @@ class StepLog:
                 line[f"host_{field}_ms"] = round(1000 * (t1 - t0), 3)
                 if e0 is not None and e1 is not None and e1.query():
                     line[f"gpu_{field}_ms"] = round(e0.elapsed_time(e1), 3)
+        compiled = self.compiles.take()
+        if compiled:
+            line["compiles"] = compiled
         self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def record(self, forward_batch, step, graphs, forward_graphs, meta_ms: Optional[float] = None) -> None:
@@ -141,6 +149,14 @@ def summarize(lines: list[dict], start: float | None = None, end: float | None =
     lines = [x for x in lines if (start is None or x["t"] >= start) and (end is None or x["t"] < end)]
     out = {"forwards": len(lines), "modes": {}, "decode_kinds": {}}
     widths, regions = set(), []
+    compiles = {"count": 0, "s": 0.0, "kernels": {}}
+    for line in lines:
+        for c in line.get("compiles", ()):
+            compiles["count"] += 1
+            compiles["s"] += c.get("s") or 0.0
+            compiles["kernels"][c["kernel"]] = compiles["kernels"].get(c["kernel"], 0) + 1
+    compiles["s"] = round(compiles["s"], 3)
+    out["compiles"] = compiles
 
     def add(groups: dict, name: str, took: float) -> dict:
         group = groups.setdefault(name, {"steps": 0, "s": 0.0, "max_ms": 0.0, "slow": 0})

@@ -115,3 +115,30 @@ def test_the_step_parts_plot_reads_replayed_steps_by_band_of_rows(tmp_path):
     assert band["rest_ms"] == round(40 - 5 - 10 - 17, 1)
     parts.plot(parts.bands(steps), str(tmp_path / "parts.png"), "t")
     assert (tmp_path / "parts.png").stat().st_size > 1000
+
+
+def test_a_forward_names_the_triton_kernels_compiled_in_it(tmp_path, monkeypatch):
+    from triton import knobs
+
+    # The log chains Triton's JIT hooks; put back whatever was there after the test.
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    path = tmp_path / "steps.jsonl"
+    log = step_log.StepLog(str(path))
+    mode = SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False)
+    fb = SimpleNamespace(forward_mode=mode, batch_size=2)
+    fn = SimpleNamespace(name="_partial_kernel")
+    log.record(fb, None, None, None)
+    # Triton calls its hooks with keywords around each compile (runtime/jit.py _do_compile).
+    assert not knobs.runtime.jit_cache_hook(key=("spec", 1), repr="r", fn=fn, compile={}, is_manual_warmup=False,
+                                            already_compiled=False)
+    time.sleep(0.02)
+    knobs.runtime.jit_post_compile_hook(key=("spec", 1), repr="r", fn=fn, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+    log.record(fb, None, None, None)  # nothing compiles in this one
+    log.close()
+    first, second = step_log.read(str(path))
+    assert [c["kernel"] for c in first["compiles"]] == ["_partial_kernel"] and first["compiles"][0]["s"] >= 0.02
+    assert "compiles" not in second
+    summary = step_log.summarize([first, second])
+    assert summary["compiles"]["count"] == 1 and summary["compiles"]["kernels"] == {"_partial_kernel": 1}
