@@ -3,6 +3,7 @@ abort, shutdown. The only module of the service that talks to SGLang."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
@@ -136,7 +137,14 @@ class EngineClient:
         stream = await self._engine.async_generate(
             input_ids=input_ids, sampling_params=sampling_params, rid=rid, stream=True
         )
+        task = asyncio.current_task()
         async for chunk in stream:
+            # SGLang waits for outputs in asyncio.wait_for, which on Python
+            # 3.11 swallows a cancel that lands as an output arrives: a Ray
+            # Serve replica (one cancel, no retry) then ran a hung-up request
+            # to its end. A cancel still pending here is such a one.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             yield chunk
 
     def route_sigterm_to(self, callback) -> None:

@@ -7,6 +7,7 @@ no process left. One Ray start-up for the whole module."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -22,6 +23,7 @@ from helpers.procs import tree_cpu_seconds
 from kvsieve.service.config import load_settings
 from kvsieve.service.scale.application import engine_deployment_options
 from kvsieve.service.scale.hub import STALE_AFTER_S
+from kvsieve.service.scale.replica import PUSH_INTERVAL_S
 from kvsieve.service.sse_client import sse_lines
 
 START_TIMEOUT_S = 600  # two engines and Ray on a shared 2-core machine
@@ -54,6 +56,12 @@ def test_deployment_options_from_settings():
 
 def metric_samples(text: str, name: str) -> list:
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+
+
+def replica_sum(text: str, name: str, **labels) -> float:
+    """`name` summed over the engine replicas' samples that carry `labels`."""
+    return sum(x.value for x in metric_samples(text, name)
+               if "replica" in x.labels and all(x.labels.get(k) == v for k, v in labels.items()))
 
 
 def engine_replica_procs(root: psutil.Process) -> list[psutil.Process]:
@@ -109,15 +117,31 @@ class RayService:
         raise TimeoutError(f"{n} engine replicas did not report:\n{self.log()[-5000:]}")
 
 
-# ray.graceful_shutdown_timeout_s: the stop's drain. Short, so that the long
-# streams below cannot finish inside it on any CPU (six 1,900-token streams
-# on two idle cores did finish inside 8 s; under a loaded suite the
-# refusal can take several seconds to start).
+# ray.graceful_shutdown_timeout_s: the stop's drain. Not shorter: under a
+# loaded suite the refusal can take several seconds to start.
 GRACE_S = 6
+# The drain test's long streams: far more than any CPU decodes inside the
+# grace. 1,900 tokens were not: six of them on two idle cores finished inside
+# 8 s, and under load the client reads a stream's chunks many seconds after
+# the engine made them (CI: the streams' second chunks came ~20 s apart and
+# all six ended inside the grace).
+LONG_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
-def ray_service(tiny_llama, session_redis, tmp_path_factory):
+def long_llama(tiny_llama, tmp_path_factory):
+    """tiny_llama with a context of 8,192 (2,048 caps a stream near 2,000
+    tokens): rotary positions, no position table, so the weights are the same."""
+    out = tmp_path_factory.mktemp("models") / "tiny-llama-8k"
+    shutil.copytree(tiny_llama, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_service(long_llama, session_redis, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ray")
     config = workdir / "kvsieve.yaml"
     config.write_text(
@@ -127,10 +151,11 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
         # request_timeout_s: far past any stream here; under CI's load the drain
         # test's streams can start minutes apart, and one that reached the
         # timeout before the drain's deadline rightly ended in a 504.
-        "limits:\n  max_tokens: 2000\n  request_timeout_s: 1800\n"
+        f"limits:\n  max_tokens: {LONG_TOKENS}\n  request_timeout_s: 1800\n"
         # timeout_s: a slow Redis answer on a loaded machine is not an outage here
         "store:\n  refresh_interval_s: 0.2\n  timeout_s: 5\n"
-        "engine:\n  max_total_tokens: 16384\n"
+        # max_total_tokens: the drain test's seven streams, even all on one replica
+        "engine:\n  max_total_tokens: 65536\n"
         # info: the ingresses' disconnect lines reach this log (Ray forwards worker output)
         "server:\n  log_level: info\n"
     )
@@ -140,7 +165,7 @@ def ray_service(tiny_llama, session_redis, tmp_path_factory):
     for attempt in range(3):
         port = free_port()
         log_path = workdir / f"serve-{attempt}.log"
-        proc = subprocess.Popen([KVSIEVE, "serve", "--model", str(tiny_llama), "--config", str(config),
+        proc = subprocess.Popen([KVSIEVE, "serve", "--model", str(long_llama), "--config", str(config),
                                  "--port", str(port)], stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         service = RayService(proc, f"http://127.0.0.1:{port}", log_path, env, created.stdout.strip())
@@ -355,8 +380,29 @@ def test_prefix_routing_keeps_a_prefix_on_one_replica(ray_service):
     assert all(c >= 0.8 * min(prompt_tokens) for c in cached[1:]), (cached, prompt_tokens)
 
 
+def replica_outcomes(s: RayService) -> dict:
+    """The engine replicas' ended requests by outcome, SGLang's decode steps'
+    tokens and running requests, as last pushed to the hub."""
+    text = s.metrics()
+    counts = {status: replica_sum(text, "kvsieve_requests_total", status=status)
+              for status in ("ok", "aborted", "error")}
+    counts["decoded"] = replica_sum(text, "sglang:realtime_tokens_total", mode="decode")
+    counts["running"] = replica_sum(text, "sglang:num_running_reqs")
+    return counts
+
+
 def test_client_disconnect_aborts_on_the_replica(ray_service):
     s = ray_service
+    # The counts once the earlier tests' last pushes are in: two equal reads
+    # a push apart (each replica pushes every 2 s), nothing running.
+    before, deadline = replica_outcomes(s), time.monotonic() + 120
+    while True:
+        time.sleep(PUSH_INTERVAL_S + 1)
+        now = replica_outcomes(s)
+        if now == before and now["running"] == 0:
+            break
+        assert time.monotonic() < deadline, (before, now)
+        before = now
     log_start = len(s.log())
     with httpx.stream("POST", f"{s.url}/v1/completions", headers=s.headers, timeout=120, json={
             "prompt": "a long thought", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
@@ -368,19 +414,32 @@ def test_client_disconnect_aborts_on_the_replica(ray_service):
                 break  # hang up mid-stream
     gone_at = time.monotonic()
     seen = None
-    while time.monotonic() - gone_at < 20:
+    while time.monotonic() - gone_at < 60:
         log = s.log()[log_start:]
         if "client disconnected: request" in log:
             seen = time.monotonic() - gone_at
             break
         time.sleep(0.2)
     assert seen is not None, log[-3000:]
-    # The replicas' running-request gauges (pushed to the hub every 2 s) are back to 0.
-    deadline = time.monotonic() + 15
-    while sum(x.value for x in metric_samples(s.metrics(), "sglang:num_running_reqs")) != 0:
-        assert time.monotonic() < deadline, "the request still runs on its replica"
+    # The request ends on its replica either way, aborted or run to its end
+    # (1,900 tokens: 10 s on an idle machine, minutes under load), so no time
+    # limit tells the two apart (a 15 s one passed a lost abort on an idle
+    # machine and failed in CI): its outcome and SGLang's decode steps do.
+    # The deadline only bounds a hang.
+    deadline = time.monotonic() + 600
+    while True:
+        now = replica_outcomes(s)
+        ended = {k: now[k] - before[k] for k in ("ok", "aborted", "error")}
+        if sum(ended.values()) >= 1 and now["running"] == 0:
+            break
+        assert time.monotonic() < deadline, ("the request neither ended nor was aborted", before, now)
         time.sleep(0.5)
-    print(f"disconnect logged after {seen:.1f} s, replica idle after {time.monotonic() - gone_at:.1f} s")
+    print(f"disconnect logged after {seen:.1f} s, replica idle after {time.monotonic() - gone_at:.1f} s, "
+          f"{now['decoded'] - before['decoded']:.0f} tokens decoded")
+    assert ended == {"ok": 0, "aborted": 1, "error": 0}, \
+        ("the request was not aborted on its replica" if ended["ok"] else "outcomes", ended)
+    # ...and SGLang stopped decoding it before its end (1,899 decode steps).
+    assert now["decoded"] - before["decoded"] < 1899, (before, now)
     log = s.log()[log_start:]
     assert "Traceback" not in log and "aclose()" not in log, log[-3000:]
 
@@ -390,12 +449,12 @@ def test_stop_drains_then_aborts(ray_service):
     root = psutil.Process(s.proc.pid)
     tree = root.children(recursive=True)
     assert len(tree) > 10  # Ray's processes, the replicas, their SGLang processes
-    # Six long streams (far more tokens than the grace allows on any CPU)
-    # and one short one that finishes within it.
+    # Six long streams (far more tokens than the grace allows on any CPU,
+    # see LONG_TOKENS) and one short one that finishes within it.
     longs = [{} for _ in range(6)]
     short: dict = {}
     started = [threading.Event() for _ in range(7)]
-    threads = [threading.Thread(target=_stream, args=(s, {"prompt": f"think {i}", "max_tokens": 1900,
+    threads = [threading.Thread(target=_stream, args=(s, {"prompt": f"think {i}", "max_tokens": LONG_TOKENS,
                                                          "ignore_eos": True}, o, e))
                for i, (o, e) in enumerate(zip(longs, started))]
     threads.append(threading.Thread(target=_stream, args=(s, {"prompt": "short", "max_tokens": 16,
