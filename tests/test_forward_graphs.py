@@ -185,6 +185,18 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     assert region_idle(rerun_server)
 
 
+def batch_equals_solo_runs(solo_server, batch_server, prompts, policies, labels) -> tuple[list, float]:
+    """Each prompt alone on `solo_server`, then all in one batch on
+    `batch_server`: every row's tokens equal its solo run. The batch's
+    answers and the whole-stack replays it made."""
+    solo = [complete(solo_server, p, k, max_tokens=GEN)["choices"][0]["token_ids"] for p, k in zip(prompts, policies)]
+    before = metric(batch_server, "kvsieve_decode_graph_replays_total", graph="forward")
+    batched = complete_together(batch_server, list(zip(prompts, policies)), max_tokens=GEN)
+    for answer, tokens, label in zip(batched, solo, labels):
+        assert answer["choices"][0]["token_ids"] == tokens, label
+    return batched, metric(batch_server, "kvsieve_decode_graph_replays_total", graph="forward") - before
+
+
 def test_a_batch_with_full_rows_replays_whole_and_each_row_equals_its_solo_run(llama_server, rerun_server):
     # `full` rows (named, and no kv_policy at all) beside compressed ones:
     # they run in kvsieve's pass as pool-only rows, so the step still
@@ -192,13 +204,9 @@ def test_a_batch_with_full_rows_replays_whole_and_each_row_equals_its_solo_run(l
     names = ["full", None, "h2o", "streaming", "full"]
     policies = [policy_for(n) if n not in ("full", None) else ({"name": "full"} if n else None) for n in names]
     prompts = [prompt_for(20 + i) for i in range(len(names))]
-    solo = [complete(llama_server, p, k, max_tokens=GEN)["choices"][0]["token_ids"] for p, k in zip(prompts, policies)]
-    before = metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward")
-    batched = complete_together(rerun_server, list(zip(prompts, policies)), max_tokens=GEN)
-    for i, name in enumerate(names):
-        assert batched[i]["choices"][0]["token_ids"] == solo[i], name
+    _, replays = batch_equals_solo_runs(llama_server, rerun_server, prompts, policies, names)
     assert metric(rerun_server, "kvsieve_decode_pool_only_rows_total") >= GEN
-    assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") - before >= GEN // 4
+    assert replays >= GEN // 4
     assert region_idle(rerun_server)
 
 
@@ -211,16 +219,12 @@ def test_group_passes_stacked_over_layers_after_the_replayed_stack_equal_the_sol
     policies = [{"name": "rkv", "budget": 8, "params": {"scoring": "paper"}}, policy_for("skipkv"),
                 policy_for("longflow"), policy_for("h2o"), {"name": "rkv", "budget": 8, "params": {"scoring": "paper"}}]
     prompts = [prompt_for(40 + i) for i in range(len(policies))]
-    solo = [complete(llama_server, p, k, max_tokens=GEN)["choices"][0]["token_ids"] for p, k in zip(prompts, policies)]
-    before = metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward")
-    batched = complete_together(rerun_server, list(zip(prompts, policies)), max_tokens=GEN)
-    for i, policy in enumerate(policies):
-        assert batched[i]["choices"][0]["token_ids"] == solo[i], policy
+    batched, replays = batch_equals_solo_runs(llama_server, rerun_server, prompts, policies, policies)
     assert all(b["kv_usage"]["evicted_tokens"] > 0 for b in batched)
     # Evictions counted once per (row, layer) pass, stacked or not.
     assert [b["kv_usage"]["evicted_tokens"] for b in batched] == [
         complete(llama_server, p, k, max_tokens=GEN)["kv_usage"]["evicted_tokens"] for p, k in zip(prompts, policies)]
-    assert metric(rerun_server, "kvsieve_decode_graph_replays_total", graph="forward") - before >= GEN // 4
+    assert replays >= GEN // 4
     assert region_idle(rerun_server)
 
 
