@@ -112,7 +112,12 @@ class OpenAIServer:
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                    # Which deadline ended it is read from the deadlines, not the
+                    # clock: the loop fires a timer up to its clock resolution
+                    # early, and _loop_time's two clock reads move it earlier
+                    # still, so at the drain's own timer monotonic() may not
+                    # have reached drain_deadline yet.
+                    if self.drain_deadline is not None and (deadline is None or self.drain_deadline <= deadline):
                         raise APIError(503, "the server is shutting down; the request was aborted after the "
                                        "drain period", type_="server_error", code="server_shutting_down") from None
                     GUARD_REJECTIONS.labels("timeout").inc()
