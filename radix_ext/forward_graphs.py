@@ -259,4 +259,12 @@ class ForwardGraphs:
         if not isinstance(hidden, torch.Tensor):
             raise RuntimeError(f"kvsieve: the decoder stack returned {type(hidden).__name__}, not hidden states; "
                                "set KVSIEVE_FORWARD_GRAPHS=0 for this model")
-        return hidden[:rows]
+        # A copy, before after_stack replays the groups' graphs: the output
+        # was allocated in the region graphs' shared pool while this stack
+        # was recorded, possibly in blocks that a group graph recorded
+        # earlier used for its temporaries (PyTorch's allocator hands a freed
+        # block to the next capture on the same stream, and captures cycle
+        # through 32 pooled streams); that group's replay writes them again.
+        # On an H200 under traffic every row's logits then went NaN at once
+        # (docs/gpu-kernels.md, "Known failure under traffic").
+        return hidden[:rows].clone()
