@@ -39,8 +39,8 @@ from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import (faults, forward_graphs, head_parallel, layer0_probe, layer_blocks, memory_plan, memory_split, metrics,
-               region_graphs, step_meta, tbq_store)
+from . import (faults, forward_graphs, head_parallel, layer0_probe, layer_blocks, logit_guard, memory_plan,
+               memory_split, metrics, region_graphs, step_meta, tbq_store)
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
@@ -166,6 +166,7 @@ class KvsieveAttnBackend(AttentionBackend):
         logits_processor = getattr(model_runner.model, "logits_processor", None)
         if logits_processor is not None:
             logits_processor.register_forward_pre_hook(self._observe_tokens, with_kwargs=True)
+            logit_guard.install(logits_processor)  # a row of NaN logits ends its request, not the server
 
     # Everything this class does not define (CUDA-graph state and metadata,
     # fill values) is SGLang's backend's: graphs run batches without

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 #: Stages a fault is counted under (the metric's `stage` label).
 STAGES = ("admit", "step_inputs", "budgets", "tbq_format", "probe", "prefill", "decide", "observe", "tokens",
-          "usage")
+          "usage", "logits")
 
 #: Faults isolated so far in this process. The region graphs compare it
 #: around a capture: a pass in which a group failed is not kept as a graph

@@ -187,7 +187,8 @@ def record_pool_only_rows(rows: int) -> None:
 REQUEST_ERRORS = Counter(
     "kvsieve_request_errors_total",
     "Requests ended with an error because their policy's code failed (radix_ext/faults.py), by policy and "
-    "stage (admit, step_inputs, budgets, tbq_format, probe, prefill, decide, observe, tokens, usage); the "
+    "stage (admit, step_inputs, budgets, tbq_format, probe, prefill, decide, observe, tokens, usage), or "
+    "because the model's logits for them were not finite (stage logits, radix_ext/logit_guard.py); the "
     "scheduler and every other request go on.",
     ["policy", "stage"],
     registry=None,

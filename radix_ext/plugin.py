@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from . import admission, lifecycle, memory_split, metrics, startup_checks
+from . import admission, lifecycle, logit_guard, memory_split, metrics, startup_checks
 from .decode_slots import (
     alloc_for_decode_skipping_compressed,
     decode_growth_without_compressed,
@@ -193,6 +193,7 @@ def register() -> None:
     register_attention_backend("kvsieve")(create_backend)
     add_attention_backend_choices(["kvsieve"])
     HookRegistry.register(_COLLECT_TARGET, report_kv_usage, HookType.AFTER)
+    HookRegistry.register(_COLLECT_TARGET, logit_guard.end_requests_with_bad_logits, HookType.AFTER)
     HookRegistry.register(_ADMIT_TARGET, admission.add_request_to_queue, HookType.AROUND)
     HookRegistry.register(_INIT_MAX_NEW_TARGET, admission.init_max_new_tokens, HookType.AROUND)
     HookRegistry.register(_ADDER + "add_one_req", admission.add_one_req_by_ceiling, HookType.AROUND)

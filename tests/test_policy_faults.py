@@ -126,3 +126,37 @@ def test_out_of_memory_in_a_decision_retries_in_smaller_chunks(server):
         assert s0 == s1 == 200, (b0, b1)
         assert b1["choices"][0]["token_ids"] == b0["choices"][0]["token_ids"]
     assert region_idle(server)
+
+
+def test_nan_logits_end_that_request_only(server):
+    # Its logits turn NaN from its fourth decode token on (test_faulty's
+    # poison_at) and it samples (temperature 1): SGLang's multinomial fails on
+    # NaN probabilities, which without radix_ext/logit_guard.py takes the
+    # scheduler down. Beside it, greedy rows of other policies keep their solo
+    # tokens. A second poisoned request ends with the poisoned token (its
+    # max_tokens), after its pages came back: its finish is relabelled.
+    others = [OTHERS[0], OTHERS[2], OTHERS[5], "full"]
+    solo = [complete(server, prompt(55 + i), policy, max_tokens=GEN)["choices"][0]["token_ids"]
+            for i, policy in enumerate(others)]
+    before = errors(server, "logits")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as client:
+            bodies = [{"prompt": prompt(55 + i), "max_tokens": GEN, "temperature": 0, "kv_policy": policy}
+                      for i, policy in enumerate(others)]
+            bodies += [{"prompt": prompt(59), "max_tokens": GEN, "temperature": 1.0, "kv_policy": faulty(poison_at=3)},
+                       {"prompt": prompt(60), "max_tokens": 5, "temperature": 1.0, "kv_policy": faulty(poison_at=3)}]
+            return await asyncio.gather(*(_post(client, server.url, {"ignore_eos": True, "return_token_ids": True,
+                                                                      **body}) for body in bodies))
+
+    out = asyncio.run(run())
+    for i, (status, body) in enumerate(out[:len(others)]):
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == solo[i], others[i]
+    assert_failed_naming_the_policy(*out[len(others)], "logits")
+    status, body = out[len(others) + 1]
+    assert status == 500 and "not finite" in body["error"]["message"], body
+    assert errors(server, "logits") - before == 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert region_idle(server)
+    assert complete(server, prompt(61), faulty())["choices"][0]["finish_reason"] == "length"

@@ -22,13 +22,17 @@ class FaultyParams(PolicyParams):
     fail_after: int = 0
     #: Decisions over more rows than this raise torch.OutOfMemoryError (0: never).
     oom_above: int = 0
+    #: From this decode token on (-1: never), the request's last-layer hidden
+    #: states are overwritten with NaN, so its logits are NaN: what a
+    #: corrupted region gives (radix_ext/logit_guard.py).
+    poison_at: int = -1
 
 
 @register_policy
 class FaultyPolicy(H2OPolicy):
     name = "test_faulty"
     Params = FaultyParams
-    needs = Need.ATTENTION | Need.TOKEN_IDS
+    needs = Need.ATTENTION | Need.TOKEN_IDS | Need.HIDDEN_STATES
     graph_safe = False
     description = "Test policy: H2O that raises where its parameters say."
 
@@ -71,3 +75,7 @@ class FaultyPolicy(H2OPolicy):
     def on_tokens(self, state, positions, token_ids, hidden_states):
         if state.params.fail_in == "tokens":
             raise RuntimeError("test_faulty raised in on_tokens")
+        if state.params.poison_at >= 0 and positions.numel() == 1:  # a decode token
+            state.decode_tokens = getattr(state, "decode_tokens", 0) + 1
+            if state.decode_tokens > state.params.poison_at:
+                hidden_states.fill_(float("nan"))  # a view of the forward's own hidden states
