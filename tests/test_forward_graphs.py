@@ -195,26 +195,52 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     assert region_idle(rerun_server)
 
 
-def batch_equals_solo_runs(solo_server, batch_server, prompts, policies, labels) -> tuple[list, float]:
+#: Largest fp32 logit gap between two tokens that counts as a tie: both
+#: round to the same bf16 value near the tiny model's logits (~4, ulp 1/32).
+TIE = 1 / 64
+
+
+def diverges_at_a_tie(model_dir, prompt: list, solo: list, batched: list) -> bool:
+    """Whether `batched` equals `solo` up to a first difference where the
+    model's two tokens are tied (reference: Hugging Face, fp32, the common
+    prefix as input): a `full` row's batch-variant rounding (the module
+    docstring of forward_graphs.py) may pick either."""
+    import transformers
+
+    at = next(i for i, (a, b) in enumerate(zip(solo, batched)) if a != b)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + solo[:at]])).logits[0, -1]
+    two = set(torch.topk(logits, 2).indices.tolist())
+    return two == {solo[at], batched[at]} and abs(float(logits[solo[at]] - logits[batched[at]])) <= TIE
+
+
+def batch_equals_solo_runs(solo_server, batch_server, prompts, policies, labels, model_dir=None) -> tuple[list, float]:
     """Each prompt alone on `solo_server`, then all in one batch on
-    `batch_server`: every row's tokens equal its solo run. The batch's
-    answers and the whole-stack replays it made."""
+    `batch_server`: every row's tokens equal its solo run (a `full` row's
+    may part from it at a tie of its two best tokens, checked on
+    `model_dir`). The batch's answers and the whole-stack replays it made."""
     solo = [complete(solo_server, p, k, max_tokens=GEN)["choices"][0]["token_ids"] for p, k in zip(prompts, policies)]
     before = metric(batch_server, "kvsieve_decode_graph_replays_total", graph="forward")
     batched = complete_together(batch_server, list(zip(prompts, policies)), max_tokens=GEN)
-    for answer, tokens, label in zip(batched, solo, labels):
-        assert answer["choices"][0]["token_ids"] == tokens, label
+    for prompt, policy, answer, tokens, label in zip(prompts, policies, batched, solo, labels):
+        got = answer["choices"][0]["token_ids"]
+        full = policy is None or policy == {"name": "full"}
+        assert got == tokens or (full and model_dir is not None and diverges_at_a_tie(model_dir, prompt, tokens, got)), \
+            (label, tokens, got)
     return batched, metric(batch_server, "kvsieve_decode_graph_replays_total", graph="forward") - before
 
 
-def test_a_batch_with_full_rows_replays_whole_and_each_row_equals_its_solo_run(llama_server, rerun_server):
+def test_a_batch_with_full_rows_replays_whole_and_each_row_equals_its_solo_run(llama_server, rerun_server, tiny_llama):
     # `full` rows (named, and no kv_policy at all) beside compressed ones:
     # they run in kvsieve's pass as pool-only rows, so the step still
     # replays its whole stack; their new tokens go to the token pool.
     names = ["full", None, "h2o", "streaming", "full"]
     policies = [policy_for(n) if n not in ("full", None) else ({"name": "full"} if n else None) for n in names]
     prompts = [prompt_for(20 + i) for i in range(len(names))]
-    _, replays = batch_equals_solo_runs(llama_server, rerun_server, prompts, policies, names)
+    # The last prompt's solo run meets a tie at token 31 (fp32 logits 4.2828
+    # and 4.2779, one bf16 value): there the batch may take the other token.
+    _, replays = batch_equals_solo_runs(llama_server, rerun_server, prompts, policies, names, model_dir=tiny_llama)
     assert metric(rerun_server, "kvsieve_decode_pool_only_rows_total") >= GEN
     assert replays >= GEN // 4
     assert region_idle(rerun_server)
