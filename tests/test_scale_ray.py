@@ -243,7 +243,10 @@ def test_api_and_metrics_per_replica(ray_service):
     bad = s.post("/v1/completions", {"prompt": "x", "kv_policy": {"name": "full", "budget": -1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_policy.budget"
 
-    outs = [{} for _ in range(8)]
+    # Distinct prompts, each routed to its prefix's preferred replica
+    # (service/scale/routing.py): 8 of them all preferred one replica once in
+    # CI (probability 2 / 2^8 per run); 16 do so with probability 2 / 2^16.
+    outs = [{} for _ in range(16)]
     threads = [threading.Thread(target=_stream, args=(s, {"prompt": f"the model thinks {i}", "max_tokens": 24,
                                                          "ignore_eos": True, "kv_policy": {"name": "full"}}, o))
                for i, o in enumerate(outs)]
