@@ -67,8 +67,10 @@ def zero_nonfinite_rows(module, args, output):
 
 
 def _bad_rows(logits_output) -> frozenset:
-    """The step's flagged rows, read once per step (the flags' copy is done:
-    SGLang has waited for the sampled tokens, queued after it)."""
+    """The step's flagged rows, read once per step on the host, in the
+    result processor, outside the forward: `flags` is a host tensor whose
+    copy is done (SGLang has waited for the sampled tokens, queued after
+    it), so reading it waits for nothing on the GPU."""
     bad = getattr(logits_output, _BAD, None)
     if bad is None:
         flags = getattr(logits_output, _FLAGS, None)
