@@ -327,7 +327,7 @@ def _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scal
 @triton.jit(do_not_specialize=["P_pad", "S", "keys_per_split", "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r",
                                "spm_h", "sbm_r", "sbm_h"])
 def _partial_kernel(
-    Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table,
+    Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table, RowColumns,
     PartO, PartM, PartL, Logits, BlockMax,
     Format, QK, QV, QKScale, QVScale, QPageScale, QKW, QVW, QKH, QVH,
     scale, P_pad, S, keys_per_split, null_page,
@@ -361,7 +361,11 @@ def _partial_kernel(
     q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     plen = tl.load(PrefixLen + r)
     start = split * keys_per_split  # a multiple of BLOCK, as P_pad is
-    end = tl.minimum(start + keys_per_split, P_pad + S)
+    # The row's own page-table columns: the step is padded to its widest row
+    # (one long row widens every row), and the columns past a row's own hold
+    # null pages only; its splits past them do nothing (m -1e30, l 0).
+    row_end = P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)
+    end = tl.minimum(start + keys_per_split, row_end)
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
@@ -457,7 +461,7 @@ def _merge_kernel(
 @triton.jit(do_not_specialize=["P_pad", "S", "first_block", "sbm_r", "sbm_h", "svn_p", "st_r", "st_h", "sat_r",
                                "sat_h"])
 def _observe_kernel(
-    Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen, PrefixLen,
+    Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen, PrefixLen, RowColumns,
     P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
     sat_r, sat_h, Hq, log_sparsity,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
@@ -472,6 +476,7 @@ def _observe_kernel(
     g_ok = g < G
     hq = h * G + g
     plen = tl.load(PrefixLen + r)
+    row_end = P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)  # as _partial_kernel's
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
         sparse_count = tl.zeros([G_PAD], tl.float32)
@@ -481,7 +486,7 @@ def _observe_kernel(
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         block = first_block + tl.program_id(2) * BLOCKS_PER_PROGRAM + i
         n = block * BLOCK + tl.arange(0, BLOCK)
-        in_range = n < P_pad + S
+        in_range = n < row_end  # past it the partial kernel wrote nothing (null pages: no mass)
         region = in_range & (n >= P_pad)
         # Prefix keys past the row's own prefix were never scored (nor stored).
         counted = in_range & ((n >= P_pad) | (n < plen))
@@ -490,7 +495,7 @@ def _observe_kernel(
         rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
                       mask=g_ok[:, None] & counted[None, :], other=float("-inf")).to(tl.float32)
         logits = rel + tl.load(BlockMax + r * sbm_r + hq * sbm_h + block,
-                               mask=g_ok & (block * BLOCK < P_pad + S), other=0.0)[:, None]
+                               mask=g_ok & (block * BLOCK < row_end), other=0.0)[:, None]
         if SPARSITY:
             seen = logits > float("-inf")
             sparse_count += tl.sum((seen & (logits < top[:, None] + log_sparsity)).to(tl.float32), 1)
@@ -526,7 +531,7 @@ def default_splits(keys: int) -> int:
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
                      needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
                      block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None,
-                     variant: str = SERVING_TBQ_VARIANT, fused: bool | None = None):
+                     variant: str = SERVING_TBQ_VARIANT, fused: bool | None = None, row_columns=None):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
@@ -544,6 +549,11 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     bench/tbq_kernel.py). Observations as
     attention_ref.attend_rows gives them:
     attention, pv_norm [R, Hkv, M * page_size], sparsity [R, Hq].
+
+    `row_columns` [R] int: the page-table columns each row holds (its
+    pages; the columns past them are null pages): a row's keys and
+    observations stop there (None: every row reads all M columns). The
+    observations past a row's columns are 0, as for null pages.
 
     `fused`: a step with Need.PV_NORM (LongFlow's rows) and no other need
     than Need.ATTENTION goes by default (None, without num_splits) through
@@ -591,6 +601,8 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         prefix_slots = torch.zeros((R, 1), dtype=torch.int64, device=dev)
     valid = region_valid.view(torch.uint8) if region_valid.dtype == torch.bool else region_valid
     null_page = region_k.shape[0] - 1
+    if row_columns is None:
+        row_columns = torch.full((R,), table.shape[2], dtype=torch.int32, device=dev)
     G_PAD = max(16, triton.next_power_of_2(G))
     if quant is None:  # placeholders: QUANT=0 never reads them
         qk = qv = qks = qvs = qps = fmt = qkw = qvw = qkh = qvh = valid
@@ -604,7 +616,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         sq = (qk.stride(0), qk.stride(1), qks.stride(0), qvs.stride(0), qvs.stride(1), qkw.stride(0), qkw.stride(1),
               qkh.stride(0), qkh.stride(1))
     _partial_kernel[(R, Hkv, splits)](
-        q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table,
+        q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table, row_columns,
         part_o, part_m, part_l, logits, block_max,
         fmt, qk, qv, qks, qvs, qps, qkw, qvw, qkh, qvh,
         scale, P_pad, S, per_split, null_page,
@@ -643,7 +655,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     if blocks > first_block:
         _observe_kernel[(R, Hkv, triton.cdiv(blocks - first_block, OBSERVE_BLOCKS_PER_PROGRAM))](
             logits, block_max, lse, row_max, region_v, vnorm, table, valid, attention, pv_norm, sparse, seen,
-            prefix_len, P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
+            prefix_len, row_columns, P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
             block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
             table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY,
             G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block, BLOCKS_PER_PROGRAM=OBSERVE_BLOCKS_PER_PROGRAM,

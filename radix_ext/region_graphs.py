@@ -133,8 +133,8 @@ def step_tensors(step) -> list[torch.Tensor]:
     batch_index: the captured pass reads its rows from static inputs in
     order)."""
     rows = step.region
-    return [rows.pool_rows, rows.tables, rows.prefix_slots, rows.prefix_mask, rows.prefix_lens, rows.positions,
-            rows.out_slots]
+    return [rows.pool_rows, rows.tables, rows.prefix_slots, rows.prefix_mask, rows.prefix_lens, rows.columns,
+            rows.positions, rows.out_slots]
 
 
 def group_tensors(group) -> list[torch.Tensor]:
@@ -433,7 +433,8 @@ class RegionGraphs:
         static = copy.copy(step)
         static.region = copy.copy(step.region)
         rows = static.region
-        for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "positions", "out_slots"):
+        for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "columns", "positions",
+                     "out_slots"):
             setattr(rows, name, getattr(rows, name).clone())
         # The captured pass reads the compressed rows from static inputs, in
         # order, and writes every row's output (padded ones too) to static o.

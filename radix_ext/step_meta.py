@@ -259,6 +259,9 @@ class RegionRows:
     prefix_slots: torch.Tensor  # [R, P] token-pool slots of the shared prefix (0: padding)
     prefix_mask: torch.Tensor  # [R, P] True where the row has a prefix token
     prefix_lens: torch.Tensor  # [R] int64 prefix tokens of each row
+    #: [R] int32 page-table columns each row holds (0: pool-only and padded
+    #: rows); the decode kernel stops each row there, not at the padded width.
+    columns: torch.Tensor
     groups: list  # PolicyGroup per policy class present
     needs: Need  # observations any group asked for
     keeps_state: bool  # whether any group updates score / last_hit
@@ -484,7 +487,10 @@ class StepBuilder:
                 later_needs |= g.policy.needs
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
-            prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev), groups=groups,
+            prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev),
+            columns=to_device([0 if req is None else self.pages.columns_of(req.rid) for req in requests], torch.int32,
+                              dev),
+            groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
                                   for g in groups), real=len(requests), pool_only=len(requests) - len(compressed))
@@ -570,6 +576,7 @@ class StepBuilder:
         rows.prefix_slots = grow(rows.prefix_slots, 0)
         rows.prefix_mask = grow(rows.prefix_mask, False)
         rows.prefix_lens = grow(rows.prefix_lens, 0)
+        rows.columns = grow(rows.columns, 0)
         rows.positions = grow(rows.positions, 0)
         if rows.out_slots is not None:
             rows.out_slots = grow(rows.out_slots, 0)  # SGLang's dummy slot

@@ -148,3 +148,30 @@ def test_sparsity_alone_reads_logits_the_kernel_wrote(kernel, R, Hq, Hkv, D, P, 
     _, ref = reference(case, scale, Need.SPARSITY)
     assert obs.attention is None and obs.pv_norm is None
     torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_each_row_stops_at_its_own_columns(kernel, splits):
+    """A step is padded to its widest row: with row_columns the kernel reads a
+    row's pages only. Columns past a row's own hold real, valid pages here
+    (never so in serving: null pages), so a kernel that read past them would
+    differ from the reference over the row's own columns."""
+    R, Hq, Hkv, D, P, M, page = 4, 4, 2, 32, 12, 6, 8
+    columns = [6, 2, 0, 4]
+    case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=77, lengths=[12, 5, 0, 12], density=0.9)
+    scale = D ** -0.5
+    out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, num_splits=splits, block=16,
+                                       row_columns=torch.tensor(columns, dtype=torch.int32))
+    null = case["region_k"].shape[0] - 1
+    own = dict(case, table=case["table"].clone())
+    for r, c in enumerate(columns):
+        own["table"][r, :, c:] = null
+    ref_out, ref = reference(own, scale, ALL)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(obs.attention, ref.attention, atol=1e-4, rtol=2e-3)
+    torch.testing.assert_close(obs.pv_norm, ref.pv_norm, atol=1e-4, rtol=2e-3)
+    torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=1e-6, rtol=0)
+    assert obs.attention[1, :, 2 * page:].abs().sum() == 0 and obs.attention[2].abs().sum() == 0
+    # Reading every column gives another answer for the rows cut short.
+    whole, _ = kernel.decode_attention(**case, scale=scale, needs=ALL, num_splits=splits, block=16)
+    assert not torch.allclose(whole[1], out[1], atol=1e-3)
