@@ -61,7 +61,9 @@ set-up ran without errors and the kill test passed, 1 otherwise.
 
 --quick: device cpu, the embedded default model (SmolLM2-135M), N=2 with
 prefix routing only, 2 CPU replicas (num_gpus_per_replica 0, one CPU each),
-a few short requests, then the kill test: the same functions end to end
+about 12 short requests over 16 prefixes (with 2 prefixes both hashed to one
+replica half the time, and the load then reached the other only by
+spilling), then the kill test: the same functions end to end
 (tests/test_gpu_replicas.py runs it: 4.8 and 6 minutes on this 2-core machine
 while other work loaded it, most of it the two engine starts and the
 replacement).
@@ -149,9 +151,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     q = args.quick
     defaults = {  # (GPU, --quick)
         "device": ("cuda", "cpu"), "replicas": ("1,2", "2"), "routings": ("prefix,pow2", "prefix"),
-        "rate_per_replica": (16.0, 1.0), "duration": (20.0, 3.0), "rate_timeout": (35.0, 150.0),
+        "rate_per_replica": (16.0, 2.0), "duration": (20.0, 3.0), "rate_timeout": (35.0, 150.0),
         "gen_min": (128, 8), "gen_max": (1024, 16), "prompt_min": (512, 40), "prompt_max": (1024, 56),
-        "prefixes": (128, 2), "prefix_tokens": (448, 32), "private_min": (16, 4), "budget": (256, 12),
+        "prefixes": (128, 16), "prefix_tokens": (448, 32), "private_min": (16, 4), "budget": (256, 12),
         "kv_tokens": (HEADLINE_KV_TOKENS, None), "max_running": (256, 16), "warmup_tokens": (16, 4),
         "kill_streams": (8, 3), "kill_tokens": (1024, 400), "start_timeout": (420.0, 600.0),
         "recovery_timeout": (240.0, 600.0), "deadline": (540.0, 0.0),

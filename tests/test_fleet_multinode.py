@@ -175,7 +175,7 @@ def test_one_replica_per_node_and_a_node_lost_mid_load(cluster, tiny_llama, tmp_
     c = cluster
     config = tmp_path / "kvsieve.yaml"
     config.write_text(
-        "ray:\n  replicas: 2\n  num_cpus_per_replica: 1\n  engine_resources: {kvsieve_engine: 1}\n"
+        "ray:\n  replicas: 2\n  max_ongoing_requests: 3\n  num_cpus_per_replica: 1\n  engine_resources: {kvsieve_engine: 1}\n"
         "  ingress_resources: {'node:__internal_head__': 0.001}\n  graceful_shutdown_timeout_s: 5\n"
         "  health_check_period_s: 2\n"
         "engine:\n  max_total_tokens: 8192\n"
@@ -206,6 +206,7 @@ def test_one_replica_per_node_and_a_node_lost_mid_load(cluster, tiny_llama, tmp_
         everything = tree(c.head) + tree(c.worker) + tree(serve)
         assert not loopback_only(everything), loopback_only(everything)
 
+        # Six streams, at most three on a replica (max_ongoing_requests): each node holds three.
         outs = [{} for _ in range(6)]
         started = [threading.Event() for _ in outs]
         threads = [threading.Thread(target=_stream, args=(url, {"prompt": f"node {i}", "max_tokens": 600,
