@@ -164,6 +164,11 @@ class PageManager:
         """Pages per (layer, head) the request owns (the widest head)."""
         return self._owned[rid].pages.shape[2]
 
+    def columns_of_each(self, rids) -> list[int]:
+        """columns_of per request, 0 for one that owns no pages (host)."""
+        owned = self._owned
+        return [owned[r].pages.shape[2] if r in owned else 0 for r in rids]
+
     def owns(self, rid: str) -> bool:
         return rid in self._owned
 

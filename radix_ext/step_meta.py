@@ -488,8 +488,8 @@ class StepBuilder:
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev),
-            columns=to_device([0 if req is None else self.pages.columns_of(req.rid) for req in requests], torch.int32,
-                              dev),
+            columns=to_device(self.pages.columns_of_each([None if req is None else req.rid for req in requests]),
+                              torch.int32, dev),
             groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only

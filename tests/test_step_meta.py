@@ -72,6 +72,9 @@ def test_decode_rows_split_into_region_and_pool_with_one_group_per_policy(runtim
     assert rows.positions.tolist() == [5, 7]
     # Page-table rows were bound and flushed before the forward reads them.
     assert (rows.tables != RUNTIME.region.null_page).all()
+    # Each row's own columns (the kernel stops there, not at the step's width).
+    assert rows.columns.tolist() == [RUNTIME.region.columns_of("a"), RUNTIME.region.columns_of("b")]
+    assert rows.columns.dtype == torch.int32 and RUNTIME.region.columns_of_each(["a", "gone"])[1] == 0
     by_policy = {g.policy.name: g for g in rows.groups}
     assert by_policy["streaming"].params["sinks"].tolist() == [2]
     assert by_policy["h2o"].budget.tolist() == [8] and by_policy["streaming"].budget.tolist() == [6]
