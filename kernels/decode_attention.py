@@ -655,8 +655,8 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     if blocks > first_block:
         _observe_kernel[(R, Hkv, triton.cdiv(blocks - first_block, OBSERVE_BLOCKS_PER_PROGRAM))](
             logits, block_max, lse, row_max, region_v, vnorm, table, valid, attention, pv_norm, sparse, seen,
-            prefix_len, row_columns, P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1), block_max.stride(0),
-            block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
+            prefix_len, row_columns, P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1),
+            block_max.stride(0), block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
             table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY,
             G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block, BLOCKS_PER_PROGRAM=OBSERVE_BLOCKS_PER_PROGRAM,
             ATTENTION=region_obs, PV_NORM=want_pv, HAS_VNORM=region_vnorm is not None, SPARSITY=sparsity,

@@ -349,7 +349,5 @@ class PageManager:
         return self.quant.kv_of(self, table, values)
 
     def width_of(self, rids) -> int:
-        """Columns that cover every head of these requests (host)."""
-        owned = self._owned
-        widths = [owned[r].pages.shape[2] for r in rids if r in owned]  # a list: no generator per row
-        return max(widths) if widths else 1
+        """Columns that cover every head of these requests (host; 1 when none owns pages)."""
+        return max(self.columns_of_each(rids), default=0) or 1

@@ -458,7 +458,9 @@ class StepBuilder:
         dev = self.device
         pool_rows_t = _long(pool_rows, dev)
         compressed = [r for r, req in enumerate(requests) if req is not None]
-        width = self.pages.width_of([requests[r].rid for r in compressed])
+        # Each row's own columns (0: pool-only or no pages); the step's width covers the widest.
+        columns = self.pages.columns_of_each([None if req is None else req.rid for req in requests])
+        width = max(columns, default=0) or 1
         if self.pad_rows and not prefill:
             width = self._decode_width(width)
             self.pages.ensure_width(width)
@@ -488,8 +490,7 @@ class StepBuilder:
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev),
-            columns=to_device(self.pages.columns_of_each([None if req is None else req.rid for req in requests]),
-                              torch.int32, dev),
+            columns=to_device(columns, torch.int32, dev),
             groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
