@@ -188,6 +188,14 @@ class Policy:
         not due in this step: update the per-slot state the decisions read
         (a running mean of attention, ThinKV's sparsity), evict nothing."""
 
+    @classmethod
+    def acts_during_decode(cls) -> bool:
+        """Whether a decode step runs anything of this policy (its own
+        select_decode or observe_decode). One that only selects from the
+        prompt (snapkv) forms no decode group: its rows store and attend,
+        ask for no observations, and no group pass runs for them."""
+        return cls.select_decode is not Policy.select_decode or cls.observe_decode is not Policy.observe_decode
+
     def deciding_rows(self, rows: list[StepRow]) -> Optional[list[bool]]:
         """Host, once per decode step after step_inputs: which rows run
         select_decode in this step (the others run observe_decode only), or

@@ -401,6 +401,8 @@ class StepBuilder:
         groups = []
         max_rows = self.req_to_token.shape[0]
         for cls, members in by_class.items():
+            if not prefill and not cls.acts_during_decode():
+                continue  # in no group: its rows store and attend only (Policy.acts_during_decode)
             policy = requests[members[0]].policy
             members_requests = [requests[r] for r in members]
             try:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvsieve.policies import Policy, get_policy, register_policy, registry
+from kvsieve.policies import Need, Policy, get_policy, policy_names, register_policy, registry
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.runtime import RUNTIME
 from kvsieve.radix_ext.step_meta import StepBuilder
@@ -130,6 +130,9 @@ class _PerHeadBudgets(Policy):
         budgets = [[[row.budget + 10 * layer + head for head in range(H)] for layer in range(L)] for row in rows]
         return {"budget": torch.tensor(budgets, device=device),
                 "echo": torch.tensor([[row.step, row.pool_row, int(row.prefill)] for row in rows], device=device)}
+
+    def select_decode(self, batch, view, obs):
+        return None  # a decision (which would read the budgets): the policy forms a decode group
 
 
 @pytest.fixture
@@ -280,3 +283,19 @@ def test_a_padded_decode_width_is_held_while_the_widest_rows_narrow_by_less_than
     # 129 (bucket 160, half of 320) takes a new width, held at 100 (> 80);
     # 40 and 17 are under half of it and start over.
     assert widths == [20, 20, 24, 320, 320, 320, 160, 160, 40, 20, 20]
+
+
+def test_a_policy_that_only_selects_from_the_prompt_forms_no_decode_group(runtime):
+    # snapkv decides at prefill only: its decode rows store and attend in
+    # no group, and a step of them alone asks for no observations.
+    a = admit("a", {"name": "snapkv", "budget": 8}, prompt_len=5, row=3)
+    b = admit("b", {"name": "h2o", "budget": 8}, prompt_len=5, row=4)
+    a.prefix_len = b.prefix_len = 5
+    mixed = runtime.build(decode_batch(["a", "b"], [3, 4], [6, 6])).region
+    assert mixed.batch_index.tolist() == [0, 1]  # both rows in the pass
+    assert [g.policy.name for g in mixed.groups] == ["h2o"]
+    alone = runtime.build(decode_batch(["a"], [3], [7])).region
+    assert alone.groups == [] and alone.needs == Need.NONE
+    assert get_policy("snapkv").acts_during_decode() is False
+    assert all(get_policy(n).acts_during_decode() for n in policy_names()
+               if get_policy(n).compresses and n != "snapkv")
