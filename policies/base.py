@@ -26,7 +26,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .observations import Need, Observations, PolicyBatch, SlotView, to_device
+from .observations import Need, Observations, PolicyBatch, SlotView, rows_to_device
 
 
 class PolicyParams(BaseModel):
@@ -326,9 +326,13 @@ class Policy:
         """The rows' numeric parameters as [R] tensors, and each one's largest
         value (PolicyBatch.params and .maxima). Built once per step."""
         params, maxima = {}, {}
+        by_dtype: dict = {}  # one transfer per dtype (observations.rows_to_device)
         for name in cls.tensor_params():
             values = [getattr(row, name) for row in rows]
             dtype = torch.float32 if isinstance(values[0], float) else torch.int64
-            params[name] = to_device(values, dtype, device)
+            by_dtype.setdefault(dtype, []).append((name, values))
             maxima[name] = max(values)
+        for dtype, named in by_dtype.items():
+            for (name, _), tensor in zip(named, rows_to_device([values for _, values in named], dtype, device)):
+                params[name] = tensor
         return params, maxima

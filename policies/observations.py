@@ -207,6 +207,16 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def rows_to_device(lists: list, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Several host lists as tensors on `device` in one transfer (to_device
+    of their concatenation, split into views): a step's per-group lists
+    went one copy each, dozens a step in a mixed batch."""
+    if not lists:
+        return []
+    flat = to_device([v for values in lists for v in values], dtype, device)
+    return list(flat.split([len(values) for values in lists]))
+
+
 def rank_by_position(view: SlotView, newest_first: bool) -> torch.Tensor:
     """Rank of each valid slot among its (row, head)'s valid slots by position
     (0 = oldest, or newest with newest_first); invalid slots rank last.

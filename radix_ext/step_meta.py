@@ -28,7 +28,7 @@ import torch
 from kvsieve.kernels.kv_formats import FP8, NVFP4
 from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
-from kvsieve.policies.observations import to_device
+from kvsieve.policies.observations import rows_to_device, to_device
 
 from . import faults, head_parallel, metrics, region_graphs
 from .head_pages import plan_head_pages
@@ -418,14 +418,12 @@ class StepBuilder:
                     due = None if prefill or not step_rows else policy.deciding_rows(step_rows)
             except faults.PolicyFault:
                 continue
+            rows_t, budget_t, step_t, pool_rows_t = rows_to_device(
+                [members, [budgets[r] for r in members], [steps[r] for r in members], [pool_rows[r] for r in members]],
+                torch.int64, self.device)
             group = PolicyGroup(
-                policy=policy,
-                rows=_long(members, self.device),
-                budget=_long([budgets[r] for r in members], self.device),
-                step=_long([steps[r] for r in members], self.device),
-                params=params, maxima=maxima, inputs=inputs,
-                pool_rows=_long([pool_rows[r] for r in members], self.device), max_rows=max_rows,
-                members=members, requests=members_requests)
+                policy=policy, rows=rows_t, budget=budget_t, step=step_t, params=params, maxima=maxima,
+                inputs=inputs, pool_rows=pool_rows_t, max_rows=max_rows, members=members, requests=members_requests)
             groups += self._split_by_decision(group, due)
         return groups
 

@@ -299,3 +299,36 @@ def test_a_policy_that_only_selects_from_the_prompt_forms_no_decode_group(runtim
     assert get_policy("snapkv").acts_during_decode() is False
     assert all(get_policy(n).acts_during_decode() for n in policy_names()
                if get_policy(n).compresses and n != "snapkv")
+
+
+def test_a_groups_lists_and_parameters_go_to_the_device_in_one_transfer_each(runtime, monkeypatch):
+    # Each host-to-device transfer is one observations.to_device call: the
+    # step's groups get their four index lists in one each, their parameters
+    # in one per dtype (before: one per list and per parameter).
+    from kvsieve.policies import observations
+
+    calls = []
+    real = observations.to_device
+    monkeypatch.setattr(observations, "to_device",
+                        lambda values, dtype, device: calls.append((len(values), dtype)) or real(values, dtype, device))
+    rkv = get_policy("rkv")
+    rows = [rkv.Params(), rkv.Params(buffer=3)]
+    params, _ = rkv.batch_params(rows, "cpu")
+    kinds = {isinstance(getattr(rows[0], n), float) for n in rkv.tensor_params()}
+    assert len(kinds) == 2 and len(calls) == 2, calls  # int and float parameters: two transfers
+    for name in rkv.tensor_params():
+        tensor, values = params[name], [getattr(r, name) for r in rows]
+        assert tensor.tolist() == pytest.approx(values)
+        assert tensor.dtype == (torch.float32 if isinstance(values[0], float) else torch.int64)
+
+    for rid, row, policy in (("a", 3, {"name": "h2o", "budget": 8}), ("b", 4, {"name": "h2o", "budget": 6}),
+                             ("c", 5, {"name": "rkv", "budget": 8})):
+        admit(rid, policy, prompt_len=5, row=row).prefix_len = 5
+    calls.clear()
+    meta = runtime.build(decode_batch(["a", "b", "c"], [3, 4, 5], [6, 6, 6]))
+    groups = {g.policy.name: g for g in meta.region.groups}
+    assert [groups["h2o"].rows.tolist(), groups["h2o"].budget.tolist(), groups["h2o"].step.tolist(),
+            groups["h2o"].pool_rows.tolist()] == [[0, 1], [8, 6], [0, 0], [3, 4]]
+    assert [groups["rkv"].rows.tolist(), groups["rkv"].budget.tolist(), groups["rkv"].pool_rows.tolist()] == [
+        [2], [8], [5]]
+    assert (4 * 2, torch.int64) in calls and (4 * 1, torch.int64) in calls, calls  # each group's four lists at once
