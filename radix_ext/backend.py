@@ -139,6 +139,7 @@ class KvsieveAttnBackend(AttentionBackend):
                 and head_parallel.SHARDS.size == 1):
             self.forward_graphs = ForwardGraphs(decoder, self.graphs, pool.layer_num, after_stack=self.after_stack)
             self.graphs.defer_groups = region_graphs.defer_enabled()
+            self.graphs.eager_defer = self.graphs.defer_groups and region_graphs.eager_defer_enabled()
             work = memory_split.workspace  # planned at start where the region was carved (GPU)
             if work is not None:
                 self.graphs.plan_observations(work.deferred_obs, pool.layer_num, self.pages.config.page_size)
@@ -285,7 +286,11 @@ class KvsieveAttnBackend(AttentionBackend):
             o3.index_fill_(0, step.zero_batch_index, 0)
         if step.region is not None:
             if self.graphs is None or not self.graphs.run(self, layer, q3, k3, v3, o3):
-                self._decode_region(q3, k3, v3, o3, layer, step)
+                if self.graphs is not None and self.graphs.defers_eagerly():
+                    # Attention only; the groups run after the stack (after_stack).
+                    self.graphs.store_eager_layer(layer, self.decode_attend(q3, k3, v3, o3, layer, step))
+                else:
+                    self._decode_region(q3, k3, v3, o3, layer, step)
             if self.graphs is None or not self.graphs.deferred():
                 self.flush_groups(step, slice(layer.layer_id, layer.layer_id + 1))
         return o3.flatten(1)

@@ -95,6 +95,16 @@ def defer_enabled() -> bool:
     return value == "1"
 
 
+def eager_defer_enabled() -> bool:
+    """KVSIEVE_EAGER_DEFER: "1" (default) lets a step of new shapes (no
+    graph entry: it runs eagerly) defer its groups too, where groups are
+    deferred at all (defer_enabled); "0" runs them inside each layer."""
+    value = os.environ.get("KVSIEVE_EAGER_DEFER", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVSIEVE_EAGER_DEFER must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 def mode() -> str:
     """KVSIEVE_REGION_GRAPHS: "1" (default: CUDA graphs on a GPU), "0" (off),
     or "rerun": on any device, a "graph" whose replay runs the captured
@@ -274,6 +284,14 @@ class RegionGraphs:
         #: Whether this step defers: its layers' observations fit the planned
         #: bytes (memory_plan.deferred_obs_bytes; None: no bound, CPU).
         self.defer_step = False
+        #: Eager steps (shapes with no entry yet) defer too: each layer's
+        #: observations go to the same planned buffers, and after the stack
+        #: each group runs eagerly over blocks of layers (layer_blocks.py),
+        #: not once per layer: a new composition's step cost 250-280 ms at
+        #: ~50 rows on an H200 with its groups inside the layers.
+        self.eager_defer = False
+        #: This eager step's observations by layer id (static views), or empty.
+        self.eager_obs: dict = {}
         self.observation_budget: Optional[int] = None
         #: The model's attention layers by id, as they pass (run_groups calls
         #: the groups' passes with them after the stack).
@@ -330,6 +348,7 @@ class RegionGraphs:
         `table`: the region's page table (watch_table)."""
         self.watch_table(table)
         self.current, self.step_groups, self.composition = None, [], None
+        self.eager_obs = {}
         self.defer_step = self.defer_groups and self._deferred_obs_fit(step)
         key = signature(step, needs_keys)
         if key is None or key in self.eager_keys:
@@ -536,7 +555,17 @@ class RegionGraphs:
 
     def deferred(self) -> bool:
         """Whether this step's groups wait for run_groups (after the stack)."""
-        return self.defer_step and self.current is not None
+        return self.defer_step and (self.current is not None or bool(self.eager_obs))
+
+    def defers_eagerly(self) -> bool:
+        """Whether this step runs eagerly (no entry) and still defers its groups."""
+        return self.current is None and self.defer_step and self.eager_defer
+
+    def store_eager_layer(self, layer, obs) -> None:
+        """An eager step's attention pass of `layer`: its observations into
+        the layer's planned buffers, for run_groups after the stack."""
+        self.layers[layer.layer_id] = layer
+        self.eager_obs[layer.layer_id] = self.observations.store(obs, layer.layer_id)
 
     def store_layer(self, backend, layer, obs) -> None:
         """A whole-stack capture's attention pass of `layer`: its
@@ -551,6 +580,12 @@ class RegionGraphs:
         observations are the attention entry's static ones, written by the
         layers' segments or by the replayed stack."""
         entry = self.current
+        if entry is None:  # an eager step (defers_eagerly): the live groups, eagerly
+            ids = sorted(self.eager_obs)
+            layers, obs = [self.layers[lid] for lid in ids], [self.eager_obs[lid] for lid in ids]
+            for group in backend.step.region.groups:
+                backend.decode_group_layers(group, layers, obs)
+            return
         ids = sorted(entry.obs)
         layers, obs = [self.layers[lid] for lid in ids], [entry.obs[lid] for lid in ids]
         for group, gentry in self.step_groups:

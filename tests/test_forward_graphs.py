@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvsieve.policies import get_policy, policy_names
+from kvsieve.policies import Observations, get_policy, policy_names
 from kvsieve.policies.skipkv import steering
 from kvsieve.radix_ext.forward_graphs import ForwardGraphs, step_is_whole
 from kvsieve.radix_ext.region_graphs import RegionGraphs
@@ -281,3 +281,41 @@ def test_a_stack_that_cannot_be_recorded_runs_eagerly_from_then_on(runtime):
     graphs.begin_step(step, batch_size=2)
     assert decoder(torch.tensor([1, 2]), torch.tensor([10, 20]), "fb").tolist() == [11.0, 22.0]
     assert decoder.forward == graphs.original and graphs.captures == 0 and decoder.calls == ["fb"]
+
+
+def test_an_eager_step_defers_its_groups_over_every_layer_after_the_stack(runtime):
+    """A step of new shapes has no graph entry and runs eagerly; where groups
+    are deferred it defers too: each layer's observations wait in the planned
+    buffers and each group then runs once over all layers (in blocks), not
+    once per layer. KVSIEVE_EAGER_DEFER=0 (eager_defer False) keeps the groups
+    inside the layers."""
+    admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
+    admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
+    step = runtime.build(decode_batch(["a", "b"], [3, 5], [8, 8]))
+    layers = [SimpleNamespace(layer_id=i) for i in range(L)]
+    calls = []
+    backend = SimpleNamespace(step=step, decode_group_layers=lambda g, ls, obs: calls.append((g, ls, obs)))
+    S = step.region.tables.shape[3] * RUNTIME.region.config.page_size
+    attention = [torch.rand(2, RUNTIME.region.config.num_kv_heads, S) for _ in layers]
+
+    region = RegionGraphs(rerun=True)
+    region.defer_groups = region.eager_defer = True
+    region.begin_step(step, needs_keys=False)
+    assert region.current is None and region.defers_eagerly() and not region.deferred()  # first sight: eager
+    for layer, att in zip(layers, attention):
+        region.store_eager_layer(layer, Observations(attention=att))
+    assert region.deferred()
+    region.run_groups(backend)
+    assert [g for g, _, _ in calls] == step.region.groups and len(calls) == 2
+    for _, ls, obs in calls:
+        assert ls == layers
+        for o, att in zip(obs, attention):
+            assert torch.equal(o.attention[:2], att)  # the layer's own, in its planned buffer
+
+    # The same shapes again: an entry now (its segments defer as before); nothing kept from the eager step.
+    region.begin_step(step, needs_keys=False)
+    assert region.eager_obs == {} and region.current is not None and not region.defers_eagerly()
+    fresh = RegionGraphs(rerun=True)
+    fresh.defer_groups, fresh.eager_defer = True, False
+    fresh.begin_step(step, needs_keys=False)
+    assert fresh.current is None and not fresh.defers_eagerly()
