@@ -21,7 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"vanilla": ("tab:gray", "vanilla SGLang"), "kvsieve": ("tab:blue", "kvsieve (policy mix)"),
-         "kvsieve-nofold": ("tab:cyan", "kvsieve, `full` rows on SGLang's backend")}
+         "kvsieve-nofold": ("tab:cyan", "kvsieve, `full` rows on SGLang's backend"),
+         "kvsieve-noeagerdefer": ("tab:purple", "kvsieve, new shapes' groups inside the layers")}
 
 
 def series(data: dict, engine: str, key: str) -> list[tuple[float, float, bool]]:

@@ -82,9 +82,11 @@ Results (--out): written after every rate; a later run with other --engines
 or --rates adds to the same file and records its command in `commands`, and
 refuses a file whose trace or settings differ (`comparable`).
 
-Engines: `vanilla`, `kvsieve`, and `kvsieve-nofold` (kvsieve with
+Engines: `vanilla`, `kvsieve`, `kvsieve-nofold` (kvsieve with
 KVSIEVE_FOLD_POOL_ROWS=0: `full` rows on SGLang's backend, an A/B of
-folding them into kvsieve's pass; its step log is `...-nofold-steps.jsonl`).
+folding them into kvsieve's pass; its step log is `...-nofold-steps.jsonl`)
+and `kvsieve-noeagerdefer` (KVSIEVE_EAGER_DEFER=0: steps of new shapes run
+their groups inside each layer, an A/B of deferring them).
 
 Device profile (one 10-minute device call per engine, about 4-6 minutes each
 with the engine start): the full trace scaled by 1/4, generation lengths 128
@@ -132,11 +134,15 @@ from gpu_smoke import (  # noqa: E402
     HEADLINE_KV_TOKENS, commit_of, device_name, flush_cache, memory_split, model_dir, model_shape, policy_specs)
 
 DEFAULT_MIX = "streaming,h2o,rkv,skipkv,thinkv,crystal_kv,longflow,crystalcache,snapkv,full"
-ENGINES = ("vanilla", "kvsieve", "kvsieve-nofold")
+ENGINES = ("vanilla", "kvsieve", "kvsieve-nofold", "kvsieve-noeagerdefer")
 #: kvsieve variants: the same engine with these settings (an A/B in one call).
 #: kvsieve-nofold: `full` rows beside compressed ones run SGLang's backend
 #: (radix_ext/forward_graphs.folds_pool_rows).
-VARIANT_ENV = {"kvsieve": {"KVSIEVE_FOLD_POOL_ROWS": "1"}, "kvsieve-nofold": {"KVSIEVE_FOLD_POOL_ROWS": "0"}}
+#: kvsieve-noeagerdefer: steps of new shapes keep their groups inside the
+#: layers (region_graphs.eager_defer_enabled).
+VARIANT_ENV = {"kvsieve": {"KVSIEVE_FOLD_POOL_ROWS": "1", "KVSIEVE_EAGER_DEFER": "1"},
+               "kvsieve-nofold": {"KVSIEVE_FOLD_POOL_ROWS": "0", "KVSIEVE_EAGER_DEFER": "1"},
+               "kvsieve-noeagerdefer": {"KVSIEVE_FOLD_POOL_ROWS": "1", "KVSIEVE_EAGER_DEFER": "0"}}
 
 
 def is_kvsieve(name: str) -> bool:

@@ -282,3 +282,8 @@ def test_the_nofold_variant_is_kvsieve_with_full_rows_on_sglangs_backend(tmp_pat
     assert env["KVSIEVE_FOLD_POOL_ROWS"] == "0" and env["KVSIEVE_REGION_PAGES"] == "64"
     assert traffic.set_region_env("kvsieve", split)["KVSIEVE_FOLD_POOL_ROWS"] == "1"
     assert traffic.set_region_env("vanilla", split) == {} and "KVSIEVE_FOLD_POOL_ROWS" not in os.environ
+    # The eager-defer A/B: only that setting differs from kvsieve's, and kvsieve sets it back.
+    off = traffic.set_region_env("kvsieve-noeagerdefer", split)
+    assert off["KVSIEVE_EAGER_DEFER"] == "0" and off["KVSIEVE_FOLD_POOL_ROWS"] == "1"
+    assert traffic.set_region_env("kvsieve", split)["KVSIEVE_EAGER_DEFER"] == "1"
+    assert traffic.set_region_env("vanilla", split) == {} and "KVSIEVE_EAGER_DEFER" not in os.environ
