@@ -55,7 +55,7 @@ from typing import Optional
 
 import torch
 
-from . import faults, head_parallel, metrics
+from . import byte_pack, faults, head_parallel, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,15 @@ def group_tensors(group) -> list[torch.Tensor]:
     out += [group.params[k] for k in sorted(group.params)]
     out += [group.inputs[k] for k in sorted(group.inputs)]
     return out
+
+
+def set_group_tensors(group, tensors: list) -> None:
+    """The inverse of group_tensors: give `group` these tensors (same order)."""
+    group.rows, group.budget, group.step, group.pool_rows = tensors[:4]
+    params = tensors[4:4 + len(group.params)]
+    inputs = tensors[4 + len(group.params):]
+    group.params = dict(zip(sorted(group.params), params))
+    group.inputs = dict(zip(sorted(group.inputs), inputs))
 
 
 def capturable(group) -> bool:
@@ -258,7 +267,8 @@ class _GroupEntry:
     """The segment of one policy group's shapes."""
 
     group: object  # a PolicyGroup whose tensors are static copies
-    tensors: list  # group_tensors(group)
+    tensors: list  # group_tensors(group): views of `arena`
+    arena: Optional[torch.Tensor] = None  # the bytes of every static tensor (byte_pack)
     #: layer id -> CUDAGraph; ALL_LAYERS -> one graph of every layer's pass
     #: (groups run after the decoder stack: RegionGraphs.defer_groups)
     graphs: dict = field(default_factory=dict)
@@ -420,30 +430,35 @@ class RegionGraphs:
         entry = self.groups.get(gkey)
         if entry is None or entry.eager:
             if entry is None and seen_before:
-                entry = self.groups[gkey] = _GroupEntry(group=self._static_group(group), tensors=[])
-                entry.tensors = group_tensors(entry.group)
+                static, arena = self._static_group(group)
+                entry = self.groups[gkey] = _GroupEntry(group=static, tensors=group_tensors(static), arena=arena)
                 entry.generation = self.observations.generation
                 while len(self.groups) > MAX_GROUP_SHAPES:
                     self.groups.popitem(last=False)
                 return entry
             return None
         self.groups.move_to_end(gkey)
-        for static, fresh in zip(entry.tensors, group_tensors(group)):
-            static.copy_(fresh, non_blocking=True)
+        # One copy (same shapes and dtypes: the key): from the bytes the step
+        # shipped the group in, else packed from its tensors.
+        if group.packed is not None:
+            entry.arena.copy_(group.packed, non_blocking=True)
+        else:
+            byte_pack.refill(entry.arena, group_tensors(group))
         # This step's requests (a fault ends exactly these) and a fresh flag.
         entry.group.members, entry.group.requests, entry.group.failed = group.members, group.requests, False
         return entry
 
     @staticmethod
-    def _static_group(group):
+    def _static_group(group) -> tuple:
+        """A copy of `group` whose tensors are views of one buffer (packed:
+        byte_pack), and that buffer: a later step refills them with one copy."""
         import copy
 
         g = copy.copy(group)
-        g.rows, g.budget, g.step, g.pool_rows = (group.rows.clone(), group.budget.clone(), group.step.clone(),
-                                                 group.pool_rows.clone())
-        g.params = {k: v.clone() for k, v in group.params.items()}
-        g.inputs = {k: v.clone() for k, v in group.inputs.items()}
-        return g
+        arena, static = byte_pack.pack(group_tensors(group))
+        set_group_tensors(g, static)
+        g.packed = None
+        return g, arena
 
     @staticmethod
     def _new_entry(step) -> _Entry:

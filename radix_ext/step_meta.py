@@ -30,7 +30,7 @@ from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
 from kvsieve.policies.observations import rows_to_device, to_device
 
-from . import faults, head_parallel, metrics, region_graphs
+from . import byte_pack, faults, head_parallel, metrics, region_graphs
 from .head_pages import plan_head_pages
 from .profiling import span
 from .runtime import RUNTIME, CompressedRequest
@@ -47,6 +47,9 @@ MIN_DECISION_BUCKET = 8
 #: which it never gives a request (its own graphs pad batches with it). Its
 #: page-table row holds only the null page, which has no valid slot.
 PAD_POOL_ROW = 0
+
+#: Where a step's policy groups are built before StepBuilder._ships them.
+HOST = "cpu"
 
 
 def row_bucket(rows: int) -> int:
@@ -165,6 +168,22 @@ def chunk_key_readers(groups: list, limit_of) -> list:
     return out
 
 
+class RowIndex:
+    """A host list of positions as an index of tensors on any device: the
+    host tensors of a group being built take it on the host, the device
+    inputs of policies on the device (one transfer each)."""
+
+    def __init__(self, positions: list[int]):
+        self.positions = positions
+        self._on: dict = {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        index = self._on.get(t.device)
+        if index is None:
+            index = self._on[t.device] = _long(self.positions, t.device)
+        return t[index]
+
+
 @dataclass
 class PolicyGroup:
     """The rows of one policy class in this step: one batched call per layer."""
@@ -194,6 +213,9 @@ class PolicyGroup:
     #: through the step's table, so neither its work nor its captured graph
     #: depends on the step's other rows (region_graphs.py).
     width: int = 0
+    #: Its tensors' bytes where the step shipped them to the device
+    #: (StepBuilder._ship: one uint8 view, byte_pack's layout), or None.
+    packed: Optional[torch.Tensor] = None
     #: A stacked pass (layer_blocks.py): the layers its rows repeat over,
     #: layer-major (rows i*Rg..(i+1)*Rg-1 are layer_ids[i]'s); None: one layer.
     layer_ids: Optional[list] = None
@@ -206,13 +228,21 @@ class PolicyGroup:
 
     def subset(self, positions: list[int], action: str) -> "PolicyGroup":
         """The group restricted to its members at `positions` (host list)."""
-        index = _long(positions, self.rows.device)
+        take = RowIndex(positions).take
         return PolicyGroup(
-            policy=self.policy, rows=self.rows[index], budget=self.budget[index], step=self.step[index],
-            params={k: v[index] for k, v in self.params.items()}, maxima=self.maxima,
-            inputs={k: v[index] for k, v in self.inputs.items()}, pool_rows=self.pool_rows[index],
+            policy=self.policy, rows=take(self.rows), budget=take(self.budget), step=take(self.step),
+            params={k: take(v) for k, v in self.params.items()}, maxima=self.maxima,
+            inputs={k: take(v) for k, v in self.inputs.items()}, pool_rows=take(self.pool_rows),
             max_rows=self.max_rows, members=[self.members[i] for i in positions], action=action,
             requests=[self.requests[i] for i in positions], width=self.width)
+
+    def host_tensors(self) -> list[tuple[object, str, torch.Tensor]]:
+        """(holder, key, tensor) of each of its tensors still on the host
+        (StepBuilder builds a step's groups there and ships them at once)."""
+        out = [(self, name, getattr(self, name)) for name in ("rows", "budget", "step", "pool_rows")]
+        out += [(self.params, k, v) for k, v in self.params.items()]
+        out += [(self.inputs, k, v) for k, v in self.inputs.items()]
+        return [(holder, key, t) for holder, key, t in out if t is not None and t.device.type == "cpu"]
 
     def over_layers(self, layer_ids: list) -> "PolicyGroup":
         """The group's rows once per layer of `layer_ids` (consecutive), as
@@ -409,18 +439,18 @@ class StepBuilder:
                 # A fault here ends this class's requests; their rows still
                 # store and attend this step (outputs unused), in no group.
                 with faults.guard("step_inputs", policy.name, members_requests):
-                    params, maxima = cls.batch_params([requests[r].params for r in members], self.device)
+                    params, maxima = cls.batch_params([requests[r].params for r in members], HOST)
                     # StepRows only for a policy that reads them (hundreds per step).
                     step_rows = [StepRow(requests[r].state, steps[r], pool_rows[r], budgets[r], prefill,
                                          requests[r].private_seen) for r in members] if reads_step_rows(cls) else []
                     with span(f"kvsieve.step_inputs.{policy.name}"):
-                        inputs = policy.step_inputs(step_rows, self.device)
+                        inputs = policy.step_inputs(step_rows, HOST)
                     due = None if prefill or not step_rows else policy.deciding_rows(step_rows)
             except faults.PolicyFault:
                 continue
             rows_t, budget_t, step_t, pool_rows_t = rows_to_device(
                 [members, [budgets[r] for r in members], [steps[r] for r in members], [pool_rows[r] for r in members]],
-                torch.int64, self.device)
+                torch.int64, HOST)
             group = PolicyGroup(
                 policy=policy, rows=rows_t, budget=budget_t, step=step_t, params=params, maxima=maxima,
                 inputs=inputs, pool_rows=pool_rows_t, max_rows=max_rows, members=members, requests=members_requests)
@@ -549,14 +579,14 @@ class StepBuilder:
             n, pads = len(group.members), pads_of[id(group)]
             if not pads:
                 continue
-            index = torch.cat([torch.arange(n, device=dev), torch.zeros(pads, dtype=torch.int64, device=dev)])
+            take = RowIndex(list(range(n)) + [0] * pads).take
             new_rows = list(range(rows.real + extra, rows.real + extra + pads))
-            group.rows = torch.cat([group.rows, _long(new_rows, dev)])
-            group.budget, group.step = group.budget[index], group.step[index]
-            group.params = {k: v[index] for k, v in group.params.items()}
-            group.inputs = {k: v[index] for k, v in group.inputs.items()}
+            group.rows = torch.cat([group.rows, _long(new_rows, group.rows.device)])
+            group.budget, group.step = take(group.budget), take(group.step)
+            group.params = {k: take(v) for k, v in group.params.items()}
+            group.inputs = {k: take(v) for k, v in group.inputs.items()}
             group.pool_rows = torch.cat([group.pool_rows, torch.full((pads,), PAD_POOL_ROW, dtype=torch.int64,
-                                                                     device=dev)])
+                                                                     device=group.pool_rows.device)])
             group.members = group.members + new_rows
             group.requests = group.requests + [None] * pads
             extra += pads
@@ -591,10 +621,39 @@ class StepBuilder:
         if rids is None:
             return None
         if forward_batch.forward_mode.is_decode():
-            return self._build_decode(forward_batch)
-        if forward_batch.forward_mode.is_extend():
-            return self._build_extend(forward_batch)
-        return None
+            meta = self._build_decode(forward_batch)
+        elif forward_batch.forward_mode.is_extend():
+            meta = self._build_extend(forward_batch)
+        else:
+            return None
+        if meta is not None:
+            self._ship(meta)
+        return meta
+
+    def _ship(self, meta: StepMeta) -> None:
+        """The step's groups are built on the host (their rows, budgets,
+        steps, parameters and inputs, split and padded there): all of them
+        go to the device now in one transfer (byte_pack), not a copy or a
+        kernel per tensor (hundreds a step in a mixed batch). A group keeps
+        the bytes it came in (`packed`): a replayed segment's static copy
+        is refilled from them in one copy (region_graphs)."""
+        groups = list(meta.region.groups) if meta.region is not None else []
+        if meta.extend is not None:
+            groups += meta.extend.ending_groups
+        whole = [g for g in groups if all(t.device.type == "cpu" for t in region_graphs.group_tensors(g))]
+        # A policy input made on the device (none of ours): the group's host tensors go alone.
+        partial = [g for g in groups if not any(g is w for w in whole)]
+        held = [entry for g in partial for entry in g.host_tensors()]
+        lists = [region_graphs.group_tensors(g) for g in whole] + [[t] for _, _, t in held]
+        shipped = byte_pack.to_device(lists, self.device)
+        for group, (tensors, flat) in zip(whole, shipped):
+            region_graphs.set_group_tensors(group, tensors)
+            group.packed = flat
+        for (holder, key, _), ([moved], _) in zip(held, shipped[len(whole):]):
+            if isinstance(holder, dict):
+                holder[key] = moved
+            else:
+                setattr(holder, key, moved)
 
     def _build_decode(self, fb) -> Optional[StepMeta]:
         # Per-row Python runs for every row of every step (hundreds of rows):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsieve.policies import get_policy
-from kvsieve.radix_ext.region_graphs import RegionGraphs, group_signature, signature, step_tensors
+from kvsieve.radix_ext.region_graphs import RegionGraphs, group_signature, group_tensors, signature, step_tensors
 
 from test_step_meta import admit, decode_batch, runtime  # noqa: F401  (fixture)
 
@@ -43,6 +43,17 @@ def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
     for static, fresh in zip(entry.tensors, step_tensors(second)):
         assert torch.equal(static, fresh) and static.data_ptr() != fresh.data_ptr()
     assert entry.step.region.pool_rows.tolist() == [5, 3]
+    # The group's segment: its static tensors are views of one buffer,
+    # refilled by one copy from the bytes the step shipped its group in.
+    ((group, gentry),) = graphs.step_groups
+    assert group.packed is not None and gentry.arena.numel() == group.packed.numel()
+    third = builder.build(decode_batch(["a", "b"], [3, 5], [9, 8]))
+    graphs.begin_step(third, needs_keys=False)
+    ((group, same),) = graphs.step_groups
+    assert same is gentry and group.step.tolist() == [3, 2]
+    for static, fresh in zip(gentry.tensors, group_tensors(group)):
+        assert torch.equal(static, fresh) and static.data_ptr() != fresh.data_ptr()
+        assert gentry.arena.data_ptr() <= static.data_ptr() < gentry.arena.data_ptr() + gentry.arena.numel()
 
 
 def test_new_shapes_make_a_new_entry_and_an_unsafe_policy_runs_eagerly_between_segments(builder, monkeypatch):
