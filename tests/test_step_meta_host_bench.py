@@ -1,0 +1,29 @@
+"""bench/step_meta_host.py end to end on CPU: a decode step's host metadata
+at the 7B's attention shapes, every step's groups shipped in one transfer
+(radix_ext/byte_pack.py) and its static copies refilled."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+
+def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
+    out = tmp_path / "meta.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "8,24", "--steps", "24",
+                           "--policies", "h2o,rkv,streaming", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["policies"] == ["h2o", "rkv", "streaming"] and result["machine"]
+    small, large = result["runs"]
+    assert (small["rows"], large["rows"]) == (8, 24)
+    for run in (small, large):
+        assert run["groups"] == 3  # one group per policy class, every row past its budget
+        assert run["padded_rows"] % 16 == 0 and run["padded_rows"] >= run["rows"]
+        assert run["host_ms_median"] > 0 and run["gpu_ops_per_step"] == 0  # no GPU here
+        assert run["ops_by_name"] and abs(run["ops_per_step"] - sum(run["ops_by_name"].values())) < 1
+        # The attention's shapes recur: one entry, refilled every step; one per group.
+        assert run["graph_entries"] == 1 and run["group_entries"] == 3
