@@ -48,7 +48,7 @@ MIN_DECISION_BUCKET = 8
 #: page-table row holds only the null page, which has no valid slot.
 PAD_POOL_ROW = 0
 
-#: Where a step's policy groups are built before StepBuilder._ships them.
+#: Where a step's policy groups are built; StepBuilder._ship then moves them to the device at once.
 HOST = "cpu"
 
 
