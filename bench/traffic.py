@@ -184,6 +184,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--warmup-tokens", type=int, default=None, help="tokens of each warm-up request (default "
                                                                     "budget + 32; 0: no warm-up)")
+    ap.add_argument("--warmup-timeout", type=float, default=180.0,
+                    help="seconds the warm-up may take (its first compiles: ~90 s on a cold GPU), apart from "
+                         "--rate-timeout")
     ap.add_argument("--rate-timeout", type=float, default=None,
                     help="seconds after a rate's start when what is left is aborted (default 1800; 120 on cpu)")
     ap.add_argument("--deadline", type=float, default=0.0,
@@ -611,7 +614,7 @@ def warm_up(engine, args, specs: dict, vocab: int, engine_name: str) -> dict:
              "prompt": [rng.randrange(lo, hi) for _ in range(args.prompt_min)]} for name in args.mix]
     started = time.perf_counter()
     records, cut, _ = engine.loop.run_until_complete(replay(
-        engine, reqs, lambda r: sampling_params(r, engine_name, specs, args.temperature), args.rate_timeout))
+        engine, reqs, lambda r: sampling_params(r, engine_name, specs, args.temperature), args.warmup_timeout))
     failed = [r["error"] or r["aborted"] for r in records if r["error"] or r["aborted"]]
     return {"requests": len(reqs), "tokens": args.warmup_tokens, "seconds": round(time.perf_counter() - started, 1),
             "failed": failed[:MAX_MESSAGES], "cut_off": cut is not None}

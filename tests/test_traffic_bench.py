@@ -116,6 +116,29 @@ def test_quick_options_are_the_documented_small_ones():
     assert traffic.parse_args(["--quick", "--gen-max", "64"]).gen_max == 64  # explicit options win
 
 
+def test_the_warm_up_waits_its_own_timeout_not_the_rates(monkeypatch):
+    # A short --rate-timeout once cut the warm-up while kernels compiled and
+    # marked a clean run FAILED: the warm-up has a timeout of its own.
+    import asyncio
+    from types import SimpleNamespace
+
+    args = traffic.parse_args(["--quick", "--rate-timeout", "18", "--mix", "h2o,full"])
+    assert args.warmup_timeout == 180.0 and args.rate_timeout == 18.0
+    waited = []
+
+    async def replay(engine, reqs, params_of, timeout):
+        waited.append((len(reqs), timeout))
+        return [], None, {}
+
+    monkeypatch.setattr(traffic, "replay", replay)
+    loop = asyncio.new_event_loop()
+    try:
+        out = traffic.warm_up(SimpleNamespace(loop=loop), args, {}, vocab=4096, engine_name="kvsieve")
+    finally:
+        loop.close()
+    assert waited == [(2, 180.0)] and out["failed"] == [] and out["requests"] == 2
+
+
 # ----- the figures -----
 
 def record(policy="h2o", gen=16, sent=None, chunks=(), end=None, error=None, aborted=None, queue_time=0.0,
