@@ -27,3 +27,14 @@ def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
         assert run["ops_by_name"] and abs(run["ops_per_step"] - sum(run["ops_by_name"].values())) < 1
         # The attention's shapes recur: one entry, refilled every step; one per group.
         assert run["graph_entries"] == 1 and run["group_entries"] == 3
+
+
+def test_the_plot_of_two_runs_is_written(tmp_path):
+    out = tmp_path / "meta.png"
+    results = REPO / "bench/results"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/plot_step_meta_host.py"),
+                           str(results / "step-meta-host-h200-9410b3c.json"),
+                           str(results / "step-meta-host-h200-1a940db.json"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
