@@ -60,7 +60,9 @@ from kvsieve.radix_ext.step_meta import StepBuilder
 LAYERS, HEADS, PROMPT = 4, 2, 64  # shapes do not enter the keys' behaviour; small keeps it fast
 
 
-class _Decode:
+class DecodeMode:
+    """A ForwardBatch's forward_mode in a decode step (the step builder asks only these)."""
+
     def is_decode(self):
         return True
 
@@ -121,7 +123,7 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
             pending = [t for t in pending if t > s]
             rids = list(live)
             seq = torch.tensor([PROMPT + live[r][1] + 1 for r in rids])
-            batch = SimpleNamespace(rids=rids, forward_mode=_Decode(), seq_lens_cpu=seq, seq_lens=seq,
+            batch = SimpleNamespace(rids=rids, forward_mode=DecodeMode(), seq_lens_cpu=seq, seq_lens=seq,
                                     req_pool_indices=torch.tensor([live[r][0] for r in rids]), positions=seq - 1,
                                     out_cache_loc=torch.zeros(len(rids), dtype=torch.int64))
             t0 = time.perf_counter()

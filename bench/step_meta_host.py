@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from graph_buckets import DecodeMode  # noqa: E402
 from kvsieve.policies import Need, policy_names  # noqa: E402
 from kvsieve.radix_ext.pages import PageManager, RegionConfig  # noqa: E402
 from kvsieve.radix_ext.region_graphs import RegionGraphs  # noqa: E402
@@ -66,20 +67,9 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-class _Mode:
-    def is_decode(self):
-        return True
-
-    def is_extend(self):
-        return False
-
-    def is_idle(self):
-        return False
-
-
 def decode_batch(rids, rows, seq_lens, device):
     lens = torch.tensor(seq_lens)
-    return SimpleNamespace(rids=rids, forward_mode=_Mode(), seq_lens_cpu=lens, seq_lens=lens.to(device),
+    return SimpleNamespace(rids=rids, forward_mode=DecodeMode(), seq_lens_cpu=lens, seq_lens=lens.to(device),
                            req_pool_indices=torch.tensor(rows, device=device), positions=(lens - 1).to(device),
                            out_cache_loc=torch.zeros(len(rids), dtype=torch.int64, device=device))
 
