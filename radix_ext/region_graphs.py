@@ -266,9 +266,8 @@ class _Entry:
 class _GroupEntry:
     """The segment of one policy group's shapes."""
 
-    group: object  # a PolicyGroup whose tensors are static copies
-    tensors: list  # group_tensors(group): views of `arena`
-    arena: Optional[torch.Tensor] = None  # the bytes of every static tensor (byte_pack)
+    group: object  # a PolicyGroup whose tensors are static copies: views of `arena`
+    arena: torch.Tensor  # the bytes of every static tensor (byte_pack), refilled each step
     #: layer id -> CUDAGraph; ALL_LAYERS -> one graph of every layer's pass
     #: (groups run after the decoder stack: RegionGraphs.defer_groups)
     graphs: dict = field(default_factory=dict)
@@ -431,7 +430,7 @@ class RegionGraphs:
         if entry is None or entry.eager:
             if entry is None and seen_before:
                 static, arena = self._static_group(group)
-                entry = self.groups[gkey] = _GroupEntry(group=static, tensors=group_tensors(static), arena=arena)
+                entry = self.groups[gkey] = _GroupEntry(group=static, arena=arena)
                 entry.generation = self.observations.generation
                 while len(self.groups) > MAX_GROUP_SHAPES:
                     self.groups.popitem(last=False)

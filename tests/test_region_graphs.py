@@ -51,7 +51,7 @@ def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
     graphs.begin_step(third, needs_keys=False)
     ((group, same),) = graphs.step_groups
     assert same is gentry and group.step.tolist() == [3, 2]
-    for static, fresh in zip(gentry.tensors, group_tensors(group)):
+    for static, fresh in zip(group_tensors(gentry.group), group_tensors(group)):
         assert torch.equal(static, fresh) and static.data_ptr() != fresh.data_ptr()
         assert gentry.arena.data_ptr() <= static.data_ptr() < gentry.arena.data_ptr() + gentry.arena.numel()
 
