@@ -197,6 +197,21 @@ def group_signature(group) -> Optional[tuple]:
             tuple(sorted(group.params)), tuple(sorted(group.inputs)), _shapes(group_tensors(group)))
 
 
+def observation_rows(obs) -> Optional[int]:
+    """Rows of the observation views a pass reads (None: it reads none).
+    They follow the step's row count (ObservationBuffers.view), not the
+    group's own shapes, so a group segment's graphs are kept per value:
+    a graph replays the views it recorded, and a step with more rows puts
+    a group's rows past them (the rate-12 crash: an out-of-bounds gather in
+    a replayed group graph)."""
+    if obs is None:
+        return None
+    for t in (obs.attention, obs.pv_norm, obs.sparsity):
+        if t is not None:
+            return t.shape[0]
+    return None
+
+
 def deferred_rows(rows: int) -> int:
     """Rows of a layer's own observation buffers (deferred groups): a
     multiple of 64 (the step's rows are padded to 16; the buffer grows by
@@ -207,11 +222,13 @@ def deferred_rows(rows: int) -> int:
 class ObservationBuffers:
     """Static homes of the attention segment's observations, read by every
     group segment: per kind, a view [rows, ...] of one flat buffer whose row
-    count is a power of two at least the step's (its rows past the step's
-    hold stale values no group reads), so a group segment's reads do not
-    depend on the step's row count. When a larger view is needed the buffer
-    grows and `generation` changes: every captured segment that wrote or
-    read the old one is recaptured."""
+    count is rounded up from the step's (a power of two; deferred_rows where
+    groups run after the stack), its rows past the step's holding stale
+    values no group reads. The view's rows still change with the step's, so
+    a group segment keeps a graph per view rows (observation_rows). When a
+    larger view than the buffer holds is needed the buffer grows and
+    `generation` changes: every captured segment that wrote or read the old
+    one is recaptured."""
 
     def __init__(self):
         self.flat: dict[tuple, torch.Tensor] = {}
@@ -268,8 +285,9 @@ class _GroupEntry:
 
     group: object  # a PolicyGroup whose tensors are static copies: views of `arena`
     arena: torch.Tensor  # the bytes of every static tensor (byte_pack), refilled each step
-    #: layer id -> CUDAGraph; ALL_LAYERS -> one graph of every layer's pass
-    #: (groups run after the decoder stack: RegionGraphs.defer_groups)
+    #: (layer id, observation_rows) -> CUDAGraph; (ALL_LAYERS, rows) -> one
+    #: graph of every layer's pass (groups run after the decoder stack:
+    #: RegionGraphs.defer_groups)
     graphs: dict = field(default_factory=dict)
     generation: int = 0  # ObservationBuffers.generation its graphs read
     table_version: int = 0  # RegionGraphs.table_version when they were captured
@@ -507,7 +525,8 @@ class RegionGraphs:
             return False
         if self.defer_step:
             return True  # the groups run after the stack, replayed or not
-        return all(g is not None and len(g.graphs) >= num_layers and not g.eager
+        rows = observation_rows(next(iter(entry.obs.values()), None))
+        return all(g is not None and sum(1 for lid, seen in g.graphs if seen == rows and lid != ALL_LAYERS) >= num_layers and not g.eager
                    and g.generation == self.observations.generation and g.table_version == self.table_version
                    for _, g in self.step_groups)
 
@@ -614,6 +633,7 @@ class RegionGraphs:
         segment's graph under `key` (a layer id, or ALL_LAYERS) replayed, or
         run on the static group and captured."""
         layers, obs = [layer for layer, _ in passes], [layer_obs for _, layer_obs in passes]
+        key = (key, observation_rows(obs[0]))
         if gentry is None or gentry.eager:
             backend.decode_group_layers(group, layers, obs)  # eagerly, on the live group
             return

@@ -13,6 +13,7 @@ import torch
 from kvsieve.policies import get_policy
 from kvsieve.radix_ext.region_graphs import RegionGraphs, group_signature, group_tensors, signature, step_tensors
 
+from helpers.group_rows import replay_past_recorded_rows
 from test_step_meta import admit, decode_batch, runtime  # noqa: F401  (fixture)
 
 
@@ -100,3 +101,19 @@ def test_a_new_page_table_width_drops_every_graph_and_its_pool(builder):
     graphs.begin_step(wide, needs_keys=False)
     assert not graphs.cache and not graphs.groups and graphs.current is None
     assert graphs.resets == 1 and dropped == [True] and graphs.pool is None
+
+
+
+def test_a_group_segment_reads_the_observations_of_the_step_it_replays_in():
+    """A policy group's graph records the observation views it was given,
+    [rows, H, slots] where rows follows the step's row count; a later step
+    with more rows keeps the group's shapes, so the group replays, with its
+    rows past the recorded view (the rate-12 crash on an H200: a device-side
+    "index out of bounds"; here the rerun replay raised IndexError). Graphs
+    are kept per view rows (region_graphs.observation_rows)."""
+    graphs = RegionGraphs(rerun=True)
+    seen, expected = replay_past_recorded_rows(graphs, "cpu")
+    assert len(seen) == len(expected) == 2
+    for got, want in zip(seen, expected):
+        assert torch.equal(got, want)
+    assert graphs.group_captures == 4  # 2 layers, recorded once per view rows (192 and 256)
