@@ -526,7 +526,10 @@ class RegionGraphs:
         if self.defer_step:
             return True  # the groups run after the stack, replayed or not
         rows = observation_rows(next(iter(entry.obs.values()), None))
-        return all(g is not None and sum(1 for lid, seen in g.graphs if seen == rows and lid != ALL_LAYERS) >= num_layers and not g.eager
+
+        def layers_recorded(g) -> int:  # its per-layer graphs over this step's observation views
+            return sum(1 for lid, seen in g.graphs if lid != ALL_LAYERS and seen == rows)
+        return all(g is not None and layers_recorded(g) >= num_layers and not g.eager
                    and g.generation == self.observations.generation and g.table_version == self.table_version
                    for _, g in self.step_groups)
 
@@ -630,8 +633,9 @@ class RegionGraphs:
     def _group_segment(self, backend, group, gentry: Optional[_GroupEntry], key, passes: list) -> None:
         """One group's pass over `passes` ((layer, observations) pairs):
         eagerly on the live group where it has no segment; else the
-        segment's graph under `key` (a layer id, or ALL_LAYERS) replayed, or
-        run on the static group and captured."""
+        segment's graph under `key` (a layer id, or ALL_LAYERS) and the
+        observations' view rows replayed, or run on the static group and
+        captured."""
         layers, obs = [layer for layer, _ in passes], [layer_obs for _, layer_obs in passes]
         key = (key, observation_rows(obs[0]))
         if gentry is None or gentry.eager:

@@ -103,7 +103,6 @@ def test_a_new_page_table_width_drops_every_graph_and_its_pool(builder):
     assert graphs.resets == 1 and dropped == [True] and graphs.pool is None
 
 
-
 def test_a_group_segment_reads_the_observations_of_the_step_it_replays_in():
     """A policy group's graph records the observation views it was given,
     [rows, H, slots] where rows follows the step's row count; a later step
