@@ -23,8 +23,10 @@ are carved out of the KV budget before the pool/region split
   deferred_obs      each layer's observations kept until the policy groups
                     run after the decoder stack (region_graphs.RegionGraphs.
                     defer_groups): attention and |p*v| floats of `rows` rows
-                    over KVSIEVE_DEFERRED_OBS_COLUMNS columns; a step wider
-                    than that runs its groups inside the layers instead
+                    over KVSIEVE_DEFERRED_OBS_COLUMNS columns (the columns
+                    its widest observing group reads: RegionRows.
+                    observed_slots); a step over that runs its groups
+                    inside the layers instead
   prefix_tables     a decode step's prefix tables ([rows, tokens] slots and
                     mask, 9 bytes a cell) in the live step and in each
                     region-graph entry, at KVSIEVE_FOLD_MAX_TOKENS tokens:

@@ -185,7 +185,7 @@ def signature(step, needs_keys: bool) -> Optional[tuple]:
     rows = step.region
     if rows is None or step.zero_batch_index is not None:
         return None
-    return (_shapes(step_tensors(step)), rows.needs, rows.later_needs, needs_keys)
+    return (_shapes(step_tensors(step)), rows.needs, rows.later_needs, needs_keys, rows.observed_slots)
 
 
 def group_signature(group) -> Optional[tuple]:
@@ -197,18 +197,19 @@ def group_signature(group) -> Optional[tuple]:
             tuple(sorted(group.params)), tuple(sorted(group.inputs)), _shapes(group_tensors(group)))
 
 
-def observation_rows(obs) -> Optional[int]:
-    """Rows of the observation views a pass reads (None: it reads none).
-    They follow the step's row count (ObservationBuffers.view), not the
-    group's own shapes, so a group segment's graphs are kept per value:
-    a graph replays the views it recorded, and a step with more rows puts
-    a group's rows past them (the rate-12 crash: an out-of-bounds gather in
-    a replayed group graph)."""
+def observation_shape(obs) -> Optional[tuple]:
+    """The shape of the observation views a pass reads (None: it reads
+    none). Their rows follow the step's row count and their slots the
+    step's observed columns (ObservationBuffers.view), not the group's own
+    shapes, so a group segment's graphs are kept per shape: a graph replays
+    the views it recorded, and a step with more rows puts a group's rows
+    past them (the rate-12 crash: an out-of-bounds gather in a replayed
+    group graph)."""
     if obs is None:
         return None
     for t in (obs.attention, obs.pv_norm, obs.sparsity):
         if t is not None:
-            return t.shape[0]
+            return tuple(t.shape)
     return None
 
 
@@ -225,7 +226,7 @@ class ObservationBuffers:
     count is rounded up from the step's (a power of two; deferred_rows where
     groups run after the stack), its rows past the step's holding stale
     values no group reads. The view's rows still change with the step's, so
-    a group segment keeps a graph per view rows (observation_rows). When a
+    a group segment keeps a graph per view shape (observation_shape). When a
     larger view than the buffer holds is needed the buffer grows and
     `generation` changes: every captured segment that wrote or read the old
     one is recaptured."""
@@ -248,14 +249,17 @@ class ObservationBuffers:
             self.generation += 1
         return flat[:need].view(shape)
 
-    def store(self, obs, layer: Optional[int] = None):
+    def store(self, obs, layer: Optional[int] = None, slots: Optional[int] = None):
         """Copy `obs` into the static views (of `layer`: view); the
-        Observations of those views."""
+        Observations of those views. `slots`: the leading slots kept of the
+        per-slot kinds (the widest group's; StepBuilder.observed_slots)."""
         from kvsieve.policies import Observations
 
         out = {}
         for kind in ("attention", "pv_norm", "sparsity"):
             t = getattr(obs, kind)
+            if t is not None and slots is not None and kind != "sparsity":
+                t = t[..., :slots]
             if t is not None:
                 static = self.view(kind, t, layer)
                 static[:t.shape[0]].copy_(t)
@@ -285,7 +289,7 @@ class _GroupEntry:
 
     group: object  # a PolicyGroup whose tensors are static copies: views of `arena`
     arena: torch.Tensor  # the bytes of every static tensor (byte_pack), refilled each step
-    #: (layer id, observation_rows) -> CUDAGraph; (ALL_LAYERS, rows) -> one
+    #: (layer id, observation_shape) -> CUDAGraph; (ALL_LAYERS, shape) -> one
     #: graph of every layer's pass (groups run after the decoder stack:
     #: RegionGraphs.defer_groups)
     graphs: dict = field(default_factory=dict)
@@ -311,6 +315,9 @@ class RegionGraphs:
         #: Whether this step defers: its layers' observations fit the planned
         #: bytes (memory_plan.deferred_obs_bytes; None: no bound, CPU).
         self.defer_step = False
+        #: Slots of the step's observations the groups read (the step's
+        #: RegionRows.observed_slots): what is stored of each row.
+        self.observed_slots: Optional[int] = None
         #: Eager steps (shapes with no entry yet) defer too: each layer's
         #: observations go to the same planned buffers, and after the stack
         #: each group runs eagerly over blocks of layers (layer_blocks.py),
@@ -376,6 +383,7 @@ class RegionGraphs:
         self.watch_table(table)
         self.current, self.step_groups, self.composition = None, [], None
         self.eager_obs = {}
+        self.observed_slots = step.region.observed_slots if step.region is not None else None
         self.defer_step = self.defer_groups and self._deferred_obs_fit(step)
         key = signature(step, needs_keys)
         if key is None or key in self.eager_keys:
@@ -429,16 +437,19 @@ class RegionGraphs:
 
     def _deferred_obs_fit(self, step) -> bool:
         """Whether every layer's observations of this step fit the planned
-        bytes: a step with rows wider than planned runs its groups inside
-        the layers (memory is planned at start, never found short mid-run)."""
+        bytes: a step with more rows, or groups wider, than planned runs its
+        groups inside the layers (memory is planned at start, never found
+        short mid-run). Only the slots the groups read are kept
+        (observed_slots), so one wide row that no group observes (snapkv's,
+        a long prompt's) does not cost every row its width."""
         if self.observation_budget is None:
             return True
         from kvsieve.policies import Need
 
         rows = step.region
-        R, _, H, M = rows.tables.shape
+        R, _, H, _ = rows.tables.shape
         kinds = bool(rows.needs & Need.ATTENTION) + bool(rows.needs & Need.PV_NORM)
-        return deferred_rows(R) * self.num_layers * H * M * self.page_size * 4 * kinds <= self.observation_budget
+        return deferred_rows(R) * self.num_layers * H * rows.observed_slots * 4 * kinds <= self.observation_budget
 
     def _group_entry(self, group, gkey) -> Optional[_GroupEntry]:
         if gkey is None:
@@ -525,10 +536,10 @@ class RegionGraphs:
             return False
         if self.defer_step:
             return True  # the groups run after the stack, replayed or not
-        rows = observation_rows(next(iter(entry.obs.values()), None))
+        shape = observation_shape(next(iter(entry.obs.values()), None))
 
         def layers_recorded(g) -> int:  # its per-layer graphs over this step's observation views
-            return sum(1 for lid, seen in g.graphs if lid != ALL_LAYERS and seen == rows)
+            return sum(1 for lid, seen in g.graphs if lid != ALL_LAYERS and seen == shape)
         return all(g is not None and layers_recorded(g) >= num_layers and not g.eager
                    and g.generation == self.observations.generation and g.table_version == self.table_version
                    for _, g in self.step_groups)
@@ -601,14 +612,14 @@ class RegionGraphs:
         """An eager step's attention pass of `layer`: its observations into
         the layer's planned buffers, for run_groups after the stack."""
         self.layers[layer.layer_id] = layer
-        self.eager_obs[layer.layer_id] = self.observations.store(obs, layer.layer_id)
+        self.eager_obs[layer.layer_id] = self.observations.store(obs, layer.layer_id, self.observed_slots)
 
     def store_layer(self, backend, layer, obs) -> None:
         """A whole-stack capture's attention pass of `layer`: its
         observations into the layer's static buffers, where the groups read
         them after each replay (the attention segments' entry.obs)."""
         self.layers[layer.layer_id] = layer
-        self.observations.store(obs, layer.layer_id)
+        self.observations.store(obs, layer.layer_id, self.observed_slots)
 
     def run_groups(self, backend) -> None:
         """After the decoder stack: every group's pass over every layer, in
@@ -634,10 +645,10 @@ class RegionGraphs:
         """One group's pass over `passes` ((layer, observations) pairs):
         eagerly on the live group where it has no segment; else the
         segment's graph under `key` (a layer id, or ALL_LAYERS) and the
-        observations' view rows replayed, or run on the static group and
+        observations' view shape replayed, or run on the static group and
         captured."""
         layers, obs = [layer for layer, _ in passes], [layer_obs for _, layer_obs in passes]
-        key = (key, observation_rows(obs[0]))
+        key = (key, observation_shape(obs[0]))
         if gentry is None or gentry.eager:
             backend.decode_group_layers(group, layers, obs)  # eagerly, on the live group
             return
@@ -681,7 +692,7 @@ class RegionGraphs:
 
         def attend_pass():
             obs = backend.decode_attend(entry.q, entry.k, entry.v, entry.o, layer, entry.step)
-            entry.obs[lid] = self.observations.store(obs, lid if self.defer_step else None)
+            entry.obs[lid] = self.observations.store(obs, lid if self.defer_step else None, self.observed_slots)
 
         # This step for real, eagerly, on the static tensors (the static
         # observation buffers are sized here, outside any capture); then

@@ -317,6 +317,12 @@ class RegionRows:
     #: their whole KV is their prefix in the token pool, and their page-table
     #: row is PAD_POOL_ROW's (no region slot). Host count.
     pool_only: int = 0
+    #: Host: the leading slots of each row whose per-slot observations
+    #: (attention, |p*v|) a group reads: its widest observing group's
+    #: columns x page_size (a group reads its own columns, a prefix of the
+    #: step's). Kept observations (region_graphs.ObservationBuffers) are cut
+    #: there, not at the step's width.
+    observed_slots: int = 0
 
 
 @dataclass
@@ -513,10 +519,13 @@ class StepBuilder:
         page, dim, element = self.pages.config.page_size, self.pages.config.head_dim, self.pages.k.element_size()
         groups = chunk_key_readers(groups, lambda g: decision_rows_limit(tables.shape[2], g.width * page, dim, element))
         needs = later_needs = Need.NONE
+        observed = 0
         for g in groups:
             needs |= g.policy.needs
             if not g.policy.observes_first_layer_only:
                 later_needs |= g.policy.needs
+            if g.policy.needs & (Need.ATTENTION | Need.PV_NORM):
+                observed = max(observed, g.width)
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev),
@@ -524,7 +533,8 @@ class StepBuilder:
             groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
-                                  for g in groups), real=len(requests), pool_only=len(requests) - len(compressed))
+                                  for g in groups), real=len(requests), pool_only=len(requests) - len(compressed),
+            observed_slots=observed * page)
 
     def _decode_width(self, columns: int) -> int:
         """The decode step's padded width (width_bucket), kept while the

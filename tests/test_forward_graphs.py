@@ -19,7 +19,7 @@ import torch
 from kvsieve.policies import Observations, get_policy, policy_names
 from kvsieve.policies.skipkv import steering
 from kvsieve.radix_ext.forward_graphs import ForwardGraphs, step_is_whole
-from kvsieve.radix_ext.region_graphs import RegionGraphs, observation_rows
+from kvsieve.radix_ext.region_graphs import RegionGraphs, observation_shape
 from kvsieve.radix_ext.runtime import RUNTIME
 
 from conftest import start_server
@@ -55,9 +55,9 @@ class Decoder(torch.nn.Module):
 def capture_all(region) -> None:
     """Mark every segment of the region graphs' current step as captured in every layer."""
     region.current.graphs = {layer: object() for layer in range(L)}
-    rows = observation_rows(next(iter(region.current.obs.values()), None))  # group graphs are kept per view rows
+    shape = observation_shape(next(iter(region.current.obs.values()), None))  # group graphs are kept per view shape
     for _, entry in region.step_groups:
-        entry.graphs = {(layer, rows): object() for layer in range(L)}
+        entry.graphs = {(layer, shape): object() for layer in range(L)}
 
 
 def _two_rows(runtime):

@@ -109,7 +109,7 @@ def test_a_group_segment_reads_the_observations_of_the_step_it_replays_in():
     with more rows keeps the group's shapes, so the group replays, with its
     rows past the recorded view (the rate-12 crash on an H200: a device-side
     "index out of bounds"; here the rerun replay raised IndexError). Graphs
-    are kept per view rows (region_graphs.observation_rows)."""
+    are kept per view shape (region_graphs.observation_shape)."""
     graphs = RegionGraphs(rerun=True)
     seen, expected = replay_past_recorded_rows(graphs, "cpu")
     assert len(seen) == len(expected) == 2

@@ -162,3 +162,33 @@ def test_a_step_whose_observations_exceed_the_plan_keeps_its_groups_inside_the_l
     graphed = run_steps("h2o", **args, graphs=graphs)
     assert torch.equal(eager["outputs"], graphed["outputs"])
     assert graphs.defer_step and any("all" in {layers for layers, _ in g.graphs} for g in graphs.groups.values())
+
+
+def test_a_wide_row_no_group_observes_does_not_keep_the_groups_inside_the_layers():
+    # snapkv keeps every generated token (no decode group): its row grows
+    # past the h2o rows' budget and sets the step's width. The groups read
+    # only their own columns, so only those slots of each row's
+    # observations are kept (RegionRows.observed_slots): a plan sized for
+    # the h2o rows' width lets the step defer however wide the snapkv row
+    # grows. Same outputs and region as the eager pass.
+    args = dict(rows=4, prompt=PROMPT, steps=STEPS, shapes=TINY, budget=BUDGET, device="cpu", dtype=torch.float32)
+    eager = run_steps("h2o+snapkv", **args)
+    graphs = RerunGraphs()
+    graphs.defer_groups = True
+    h2o_columns = -(-(PROMPT + BUDGET + 16) // 16)  # what an h2o row holds with its slack, rounded up to pages
+    graphs.plan_observations(budget=64 * TINY.layers * TINY.kv_heads * h2o_columns * 16 * 4, num_layers=TINY.layers,
+                             page_size=16)
+    seen = []
+    begin = graphs.begin_step
+
+    def record(step, *a, **k):
+        begin(step, *a, **k)
+        seen.append((step.region.tables.shape[3], step.region.observed_slots, graphs.defer_step))
+    graphs.begin_step = record
+    graphed = run_steps("h2o+snapkv", **args, graphs=graphs)
+    assert torch.equal(eager["outputs"], graphed["outputs"])
+    for a, b in zip(eager["state"], graphed["state"]):
+        assert torch.equal(a, b)
+    width, observed, deferred = seen[-1]
+    assert width * 16 > observed  # the snapkv row is wider than any group reads
+    assert deferred and all(d for w, o, d in seen if o <= h2o_columns * 16)

@@ -1,6 +1,6 @@
 """A policy group's CUDA graph replayed on a step with more rows than the
 one it was recorded on (tests/helpers/group_rows.py): before graphs were
-kept per observation view rows (region_graphs.observation_rows) the replay
+kept per observation view shape (region_graphs.observation_shape) the replay
 gathered the group's rows 192-207 from the recorded 192-row view, a
 device-side "index out of bounds" (the rate-12 crash under traffic)."""
 

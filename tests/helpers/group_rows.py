@@ -1,5 +1,5 @@
 """A policy group's segment recorded on a step of 192 rows and replayed on
-one of 208 (region_graphs.observation_rows): shared by
+one of 208 (region_graphs.observation_shape): shared by
 tests/test_region_graphs.py (rerun graphs, CPU) and
 tests_gpu/test_group_rows_cuda.py (CUDA graphs)."""
 
