@@ -108,7 +108,10 @@ class StepLog:
         if region is not None:
             line.update(region=region.real, padded=int(region.pool_rows.shape[0]),
                         width=int(region.tables.shape[3]), groups=len(region.groups), pool_only=region.pool_only,
-                        prefix=int(region.prefix_slots.shape[1]))
+                        prefix=int(region.prefix_slots.shape[1]), observed_slots=region.observed_slots,
+                        group_widths=sorted({(g.policy.name, g.width) for g in region.groups}))
+            if graphs is not None:
+                line["deferred"] = graphs.defer_step
         if graphs is not None:
             line["counters"] = {name: getattr(graphs, name) for name in COUNTERS}
             if graphs.current is not None:

@@ -71,9 +71,12 @@ def test_a_record_is_one_json_line_per_forward(tmp_path):
     log = step_log.StepLog(str(path))
     mode = SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True)
     fb = SimpleNamespace(forward_mode=mode, batch_size=3, extend_seq_lens_cpu=[5, 6, 7])
-    region = SimpleNamespace(real=2, pool_rows=torch.zeros(16), tables=torch.zeros(16, 2, 2, 12), groups=[1, 2, 3],
-                             pool_only=1, prefix_slots=torch.zeros(16, 256))
-    graphs = SimpleNamespace(captures=1, replays=2, group_captures=3, group_replays=4, resets=5, current=None)
+    groups = [SimpleNamespace(policy=SimpleNamespace(name=name), width=w) for name, w in
+              (("rkv", 4), ("h2o", 6), ("rkv", 4))]
+    region = SimpleNamespace(real=2, pool_rows=torch.zeros(16), tables=torch.zeros(16, 2, 2, 12), groups=groups,
+                             pool_only=1, prefix_slots=torch.zeros(16, 256), observed_slots=96)
+    graphs = SimpleNamespace(captures=1, replays=2, group_captures=3, group_replays=4, resets=5, current=None,
+                             defer_step=True)
     log.record(fb, SimpleNamespace(region=region), graphs, None, meta_ms=1.25)
     log.mark("forward")
     time.sleep(0.01)
@@ -89,6 +92,9 @@ def test_a_record_is_one_json_line_per_forward(tmp_path):
     assert first["mode"] == "extend" and first["tokens"] == 18 and first["bs"] == 3
     assert (first["region"], first["padded"], first["width"], first["groups"]) == (2, 16, 12, 3)
     assert (first["pool_only"], first["prefix"]) == (1, 256)
+    # What decides whether the groups run after the stack: the slots kept of each row, each group's columns.
+    assert first["observed_slots"] == 96 and first["deferred"] is True
+    assert first["group_widths"] == [["h2o", 6], ["rkv", 4]]
     assert first["counters"] == {"captures": 1, "replays": 2, "group_captures": 3, "group_replays": 4, "resets": 5}
     assert "region" not in second and "counters" not in second
     assert json.loads(path.read_text().splitlines()[0]) == first
