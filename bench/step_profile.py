@@ -340,9 +340,12 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
     graphs_before = graph_counters()
-    while sum(counts) < before[1] + 64 * n:
+    # Rows that ran ahead may finish first (a retracted row restarts late):
+    # the window then ends with the batch instead of waiting forever.
+    while sum(counts) < before[1] + 64 * n and not all(t.done() for t in tasks):
         await asyncio.sleep(0.02)
     after = (time.perf_counter(), sum(counts))
+    window_full = after[1] >= before[1] + 64 * n  # False: the batch ended inside the window
     graphs_after = graph_counters()
     unprofiled = (after[1] - before[1]) / (after[0] - before[0])
     label = names[0] if len(names) == 1 else mixed_label(names)
@@ -356,6 +359,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
               "requests": n,
               "ramp_s": round(ramp_s, 1), "tokens_per_s_unprofiled": round(unprofiled, 1),
               "step_ms_unprofiled": round(1000 * n / unprofiled, 2),
+              "window_full": window_full,
               "graphs": graph_rates(graphs_before, graphs_after, (after[1] - before[1]) / n)}
     if len(names) > 1:
         result.update(label=label, members=names, member_rows={m: rows.count(m) for m in names}, window_budget=budget)
@@ -428,6 +432,7 @@ def main() -> None:
                         **device_kwargs)
     trace_dir = os.path.join("/tmp", "kvsieve-trace")
     out_path = os.path.join(out_dir, cfg["out"])
+    os.makedirs(out_dir, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0) if cfg["device"] == "cuda" else "cpu",
               "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
               "config": cfg, "policies": specs, "runs": {}}
