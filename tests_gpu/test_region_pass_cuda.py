@@ -101,6 +101,14 @@ def test_the_decode_pass_makes_no_host_sync(policy):
     _assert_no_host_sync(policy, BUDGET)
 
 
+def test_a_mixed_decode_pass_makes_no_host_sync():
+    # Every graph-safe policy in one batch: a mixed step splits its rows
+    # into a group per policy (and per deciding/observing), work the solo
+    # runs above never do. A mixed batch of 128 rows spent ~10 ms a step on
+    # the host with the GPU idle (bench/results/logs/h200-2026-11-29c/).
+    _assert_no_host_sync("+".join(GRAPH_SAFE), BUDGET)
+
+
 def test_crystalcache_steps_between_breath_cycles_make_no_host_sync():
     # 32 steps of the default breath (64): every step observes, tokens
     # handed over once per forward; the reads of a cycle step are between steps.
