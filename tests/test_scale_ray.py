@@ -284,12 +284,15 @@ def test_replica_killed_mid_load(ray_service):
     s = ray_service
     # Long enough that both replicas are still generating when one is killed:
     # 500 tokens were not (CI, 2 cores: one replica's 3 streams had ended
-    # 5.7 s in, before the slowest of the other's 9 had sent its second chunk).
+    # 5.7 s in, before the slowest of the other's 9 had sent its second chunk),
+    # and 1,200 were not either once (CI, 2026-11-29: the first chunks came in
+    # bursts; at the kill the client had 707-1,152 chunks of each stream and
+    # the killed replica had finished its streams, so none failed).
     # A prompt per stream: prefix routing sends one prompt to one preferred
     # replica (rendezvous hashing), so a shared prompt put every stream on one
     # replica whenever Serve's cached queue lengths lagged; 12 distinct
     # prompts all prefer the same replica with probability 2 / 2^12.
-    bodies = [{"prompt": f"wait let me verify step {i} of the proof", "max_tokens": 1200, "ignore_eos": True}
+    bodies = [{"prompt": f"wait let me verify step {i} of the proof", "max_tokens": 2400, "ignore_eos": True}
               for i in range(12)]
     outs = [{} for _ in bodies]
     threads = [threading.Thread(target=_stream, args=(s, b, o)) for b, o in zip(bodies, outs)]
