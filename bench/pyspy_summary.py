@@ -23,9 +23,10 @@ import collections
 import json
 import re
 
-FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]+)(?::\d+)?\)$")
+FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]+)(?::(?P<line>\d+))?\)$")
 
-#: Leaf frames that mean the host waits for the GPU (or for anything).
+#: Frames at a stack's end (its last three) that mean the host waits for
+#: the GPU (or for anything).
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cuStreamSynchronize",
          "cuEventSynchronize", "cudaMemcpy", "_local_scalar_dense", "item", "tolist", "synchronize",
          "poll", "select", "epoll_wait", "recv", "sleep", "wait")
@@ -38,8 +39,8 @@ def frame_key(frame: str, line: bool = False) -> str:
     if not m:
         return frame.strip()
     short = "/".join(m.group("file").split("/")[-2:])
-    at = frame.strip().rsplit(":", 1)[-1].rstrip(")") if line and ":" in frame else ""
-    return f"{m.group('func')} ({short}{':' + at if at.isdigit() else ''})"
+    at = f":{m.group('line')}" if line and m.group("line") else ""
+    return f"{m.group('func')} ({short}{at})"
 
 
 def read(path: str, thread: str | None = None) -> list[tuple[list[str], int]]:
