@@ -3,7 +3,7 @@
     python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming[,rkv,...]] [--budget 1024]
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
         [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
-        [--out step-profile.json]
+        [--solo h2o,rkv] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS] [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
@@ -46,7 +46,8 @@ listed policies dealt round robin (request i runs policy i mod P, each with
 its own budget and --policy-params), profiled the same way (the window opens
 once every request holds the largest budget + 32 tokens; every request
 generates the largest budget + 192), recorded under `runs` as
-`mixed:a+b+c`. `--mixed-only 1`: the mixed run only; the members' solo runs
+`mixed:a+b+c`. `--solo a,b`: only these of the listed policies run alone
+(default: each). `--mixed-only 1`: the mixed run only; the members' solo runs
 are then taken from OUT_DIR's existing JSON when its budget, requests,
 kv_tokens and device match (a second call after a solo one), and are
 otherwise missing from the comparison. The JSON's `comparison` block: the
@@ -75,6 +76,16 @@ wheel first, `pip wheel --no-deps . -w .gpu/`, and carry `.whl` and `.gpu`
 as for bench/gpu_smoke.py:
 
     bash .whl/device-setup.sh && python3 -m pip install -q --no-deps --target /tmp/site2 .gpu/*.whl && PYTHONPATH=/tmp/site2:/tmp/site python3 bench/step_profile.py bench/models/r1-distill-qwen-7b $OUT --policy streaming,rkv,skipkv --mixed 1 --budget 1024 --requests 320 --steps 16 --out step-profile-mixed.json
+
+Host sampling (#29: where a mixed step's host time goes): `--pyspy S`
+runs py-spy on the scheduler's process for S seconds from the unprofiled
+window's start, Python frames only and without pausing it (py-spy on the
+PATH or in /tmp/site2/bin); each run then records `pyspy`, the main
+thread's shares by function, wait and leaf line (bench/pyspy_summary.py),
+and the raw stacks stay in /tmp/kvsieve-trace. Give the batch steps to
+sample: `--gen-extra` (tokens each request generates past the largest
+budget, default 192) and `--window-steps` (the unprofiled window, default
+64), with `--steps 0` so no profiler runs inside the sample.
 
 On CPU (`--device cpu`; MODEL_DIR `tiny` builds tests/tiny_models.py's
 Llama), the same runs without a profile (--steps 0; defaults --requests 4
@@ -113,7 +124,9 @@ def options(argv: list[str] | None = None) -> dict:
             "out": opts.get("--out", "step-profile.json"),
             "policy_params": json.loads(opts.get("--policy-params", "{}")), "stack": opts.get("--stack", "0") == "1",
             "mixed": opts.get("--mixed", "0") == "1" or mixed_only, "mixed_only": mixed_only, "device": device,
-            "mixed_first": opts.get("--mixed-first", "0") == "1"}
+            "mixed_first": opts.get("--mixed-first", "0") == "1",
+            "window_steps": int(opts.get("--window-steps", 64)), "gen_extra": int(opts.get("--gen-extra", 192)),
+            "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", "")}
 
 
 def mixed_label(names: list[str]) -> str:
@@ -326,7 +339,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     started = time.perf_counter()
 
     async def one(i, ids):
-        sampling = headline.params(budget + 192, policies[rows[i]])
+        sampling = headline.params(budget + cfg["gen_extra"], policies[rows[i]])
         async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True):
             counts[i] = chunk["meta_info"]["completion_tokens"]
 
@@ -340,15 +353,17 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
     graphs_before = graph_counters()
+    label = names[0] if len(names) == 1 else mixed_label(names)
+    sampler = start_pyspy(cfg, trace_dir, label)
     # Rows that ran ahead may finish first (a retracted row restarts late):
     # the window then ends with the batch instead of waiting forever.
-    while sum(counts) < before[1] + 64 * n and not all(t.done() for t in tasks):
+    window = cfg["window_steps"] * n
+    while sum(counts) < before[1] + window and not all(t.done() for t in tasks):
         await asyncio.sleep(0.02)
     after = (time.perf_counter(), sum(counts))
-    window_full = after[1] >= before[1] + 64 * n  # False: the batch ended inside the window
+    window_full = after[1] >= before[1] + window  # False: the batch ended inside the window
     graphs_after = graph_counters()
     unprofiled = (after[1] - before[1]) / (after[0] - before[0])
-    label = names[0] if len(names) == 1 else mixed_label(names)
     profile_id = "kvsieve-step-" + ("mixed" if len(names) > 1 else names[0])
     if cfg["steps"]:
         await engine.tokenizer_manager.start_profile(ProfileReq(output_dir=trace_dir, num_steps=cfg["steps"],
@@ -361,6 +376,8 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
               "step_ms_unprofiled": round(1000 * n / unprofiled, 2),
               "window_full": window_full,
               "graphs": graph_rates(graphs_before, graphs_after, (after[1] - before[1]) / n)}
+    if sampler is not None:
+        result["pyspy"] = finish_pyspy(*sampler)
     if len(names) > 1:
         result.update(label=label, members=names, member_rows={m: rows.count(m) for m in names}, window_budget=budget)
     traces = sorted(glob.glob(os.path.join(trace_dir, f"{profile_id}*.trace.json.gz"))) if cfg["steps"] else []
@@ -370,8 +387,47 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     return result
 
 
+def start_pyspy(cfg: dict, out_dir: str, label: str):
+    """--pyspy S: py-spy samples the scheduler's main thread for S seconds
+    from the window's start (Python frames only, without pausing the
+    process: the blocking native sampler slowed a traffic run ~10x on
+    2026-11-29). Returns (process, raw path) or None."""
+    if not cfg["pyspy_s"]:
+        return None
+    import shutil
+    import subprocess
+
+    import psutil
+
+    beside_python = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    spy = shutil.which("py-spy") or (beside_python if os.path.exists(beside_python) else "/tmp/site2/bin/py-spy")
+    schedulers = [p for p in psutil.Process().children(recursive=True) if "scheduler" in " ".join(p.cmdline())]
+    if not schedulers:
+        raise SystemExit("--pyspy: no scheduler process among this process's children")
+    raw = os.path.join(out_dir, "pyspy-" + label.replace(":", "-").replace("+", "-") + ".txt")
+    os.makedirs(out_dir, exist_ok=True)
+    proc = subprocess.Popen([spy, "record", "--pid", str(schedulers[0].pid), "--duration", str(int(cfg["pyspy_s"])),
+                             "--rate", "250", "--format", "raw", "--idle", "--threads", "--nonblocking", "-o", raw],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, raw
+
+
+def finish_pyspy(proc, raw: str) -> dict:
+    """The sampler's summary (bench/pyspy_summary.py), the scheduler's main
+    thread only; waits for the sampler's duration to end."""
+    import pyspy_summary
+
+    err = proc.communicate()[1]
+    if not os.path.exists(raw):
+        return {"error": err[-500:]}
+    return dict(pyspy_summary.summarize(pyspy_summary.read(raw, "MainThread"), 40), raw=raw)
+
+
 def report(name: str, result: dict) -> None:
-    print(name, json.dumps({k: v for k, v in result.items() if k != "profile"}))
+    print(name, json.dumps({k: v for k, v in result.items() if k not in ("profile", "pyspy")}))
+    for part in ("inclusive", "waits", "leaves") if "inclusive" in result.get("pyspy", {}) else ():
+        for row in result["pyspy"][part][:25]:
+            print(f"pyspy {part} {100 * row['share']:5.1f}%  {row['name']}")
     if "profile" not in result:
         return
     prof = result["profile"]
@@ -450,7 +506,8 @@ def main() -> None:
 
     # (members, prompt seed): the solo runs' seeds as before; the mixed run's
     # the same with --mixed and --mixed-only.
-    batches = [] if cfg["mixed_only"] else [([name], i + 7) for i, name in enumerate(names)]
+    solo = [] if cfg["mixed_only"] else cfg["solo"].split(",") if cfg["solo"] else names
+    batches = [([name], names.index(name) + 7) for name in solo]
     if cfg["mixed"]:
         # --mixed-first 1: the mixed batch before the solo runs (a call cut short keeps it).
         batches.insert(0 if cfg["mixed_first"] else len(batches), (names, len(names) + 7))
