@@ -43,24 +43,24 @@ probe() {  # name, then the traffic mix
     kids=$(pgrep -P "$main")  # this run's engine processes, not another engine's
     pid=$(pgrep -P "$main" -f "sglang::scheduler" | head -1)
     if [ -n "$pid" ]; then
-        # Native frames (a wait inside CUDA shows by name) need the blocking
-        # sampler; without them, the Python line that waits is the leaf.
-        "$SPY" record --pid "$pid" --duration "$RECORD_S" --rate 250 --format raw --idle --threads --native \
-            -o "$OUT/$name-pyspy.txt" > "$OUT/$name-pyspy.log" 2>&1 \
-        || "$SPY" record --pid "$pid" --duration "$RECORD_S" --rate 250 --format raw --idle --threads \
-            --nonblocking -o "$OUT/$name-pyspy.txt" >> "$OUT/$name-pyspy.log" 2>&1
+        # Python frames, without pausing the process: the blocking native
+        # sampler slowed this trace ~10x (2026-11-29), so it measured itself.
+        "$SPY" record --pid "$pid" --duration "$RECORD_S" --rate 250 --format raw --idle --threads --nonblocking \
+            -o "$OUT/$name-pyspy.txt" > "$OUT/$name-pyspy.log" 2>&1
     else
         echo "$name: no scheduler process to sample" | tee -a "$OUT/$name-pyspy.log"
     fi
     wait $main
     grep -a "rate .*offered\|FAILED\|OK:" "$OUT/$name.log" | cut -c1-300
     if [ -s "$OUT/$name-pyspy.txt" ]; then
-        $PY bench/pyspy_summary.py "$OUT/$name-pyspy.txt" --thread MainThread --top 30 --out "$OUT/$name-pyspy.json" | head -75
+        $PY bench/pyspy_summary.py "$OUT/$name-pyspy.txt" --thread MainThread --top 30 --out "$OUT/$name-pyspy.json" > "$OUT/$name-pyspy-summary.txt"
+        head -75 "$OUT/$name-pyspy-summary.txt"
     else
         tail -5 "$OUT/$name-pyspy.log"
     fi
     kill -9 $kids 2>/dev/null; sleep 2  # any left behind by the engine's shutdown
 }
 
-probe mixed "$TEN"
-probe h2o h2o
+for name in ${PROBES:-mixed h2o}; do
+    if [ "$name" = mixed ]; then probe mixed "$TEN"; else probe "$name" "$name"; fi
+done

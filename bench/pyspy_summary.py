@@ -43,6 +43,14 @@ def frame_key(frame: str, line: bool = False) -> str:
     return f"{m.group('func')} ({short}{at})"
 
 
+def call_name(key: str) -> str:
+    """The bare name a frame calls: `Event.synchronize` -> `synchronize`,
+    `at::native::_local_scalar_dense` -> `_local_scalar_dense`. WAITS match
+    it whole: a substring match counted `_select_prompt` as a `select`."""
+    func = key.split(" (")[0]
+    return func.split("::")[-1].split(".")[-1]
+
+
 def read(path: str, thread: str | None = None) -> list[tuple[list[str], int]]:
     stacks = []
     with open(path) as f:
@@ -71,7 +79,7 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 40) -> dict:
             inclusive[key] += n
         leaf = keys[-1] if keys else "?"
         leaves[frame_key(frames[-1], line=True) if frames else "?"] += n
-        wait = next((w for w in WAITS if any(w in k.split(" (")[0] for k in keys[-3:])), None)
+        wait = next((w for w in WAITS if any(w == call_name(k) for k in keys[-3:])), None)
         if wait:
             # The innermost kvsieve or sglang frame above the wait: who waits.
             owner = next((k for k in reversed(keys) if "kvsieve" in k or "radix_ext" in k or "policies" in k

@@ -12,7 +12,8 @@ RAW = """\
 thread (1): MainThread;event_loop (sglang/srt/managers/scheduler.py:10);build (/x/radix_ext/step_meta.py:626);_region_rows (/x/radix_ext/step_meta.py:500) 30
 thread (1): MainThread;event_loop (sglang/srt/managers/scheduler.py:10);build (/x/radix_ext/step_meta.py:626);_region_rows (/x/radix_ext/step_meta.py:511) 10
 thread (1): MainThread;event_loop (sglang/srt/managers/scheduler.py:12);after_step (/x/radix_ext/runtime.py:400);cudaStreamSynchronize (libcudart.so) 40
-thread (1): MainThread;event_loop (sglang/srt/managers/scheduler.py:14);sample (sglang/srt/layers/sampler.py:5) 20
+thread (1): MainThread;event_loop (sglang/srt/managers/scheduler.py:14);sample (sglang/srt/layers/sampler.py:5) 15
+thread (1): MainThread;event_loop (sglang/srt/managers/scheduler.py:16);_select_prompt (/x/radix_ext/backend.py:700) 5
 thread (2): Thread-1 (_watchdog_thread);wait (threading.py:331) 500
 """
 
@@ -29,6 +30,7 @@ def test_the_main_thread_shares_by_function_leaf_and_wait(tmp_path):
     assert leaves["_region_rows (radix_ext/step_meta.py:500)"] == 0.3
     assert leaves["_region_rows (radix_ext/step_meta.py:511)"] == 0.1
     waits = {row["name"]: row["share"] for row in result["waits"]}
+    # A frame whose name only contains a wait's (`_select_prompt`) is no wait.
     assert waits == {"cudaStreamSynchronize <- after_step (radix_ext/runtime.py)": 0.4}
 
 
