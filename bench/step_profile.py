@@ -3,7 +3,7 @@
     python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming[,rkv,...]] [--budget 1024]
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
         [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
-        [--solo h2o,rkv] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS] [--out step-profile.json]
+        [--solo h2o,rkv] [--ranges 0|1] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS] [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
@@ -30,7 +30,10 @@ ranges (step metadata, each policy's step_inputs) beside it. Ranges are not
 recorded inside a CUDA-graph replay, so while the profiler records, the
 region's pass runs eagerly (radix_ext/profiling.recording): the profiled
 steps are slower than the unprofiled ones, whose throughput (region graphs
-on, as served) is reported beside them. `per_policy_ranges_ms` lists every
+on, as served) is reported beside them. `--ranges 0` leaves the ranges
+off: the profiled steps then replay their graphs as served, and the
+trace's kernel list (`kernels`) is what a replayed step runs on the GPU,
+without the split. `per_policy_ranges_ms` lists every
 policy of the run with its decide and observe GPU ms per step and its host
 step_inputs ms (0.0 where the trace has no such range: `full` runs
 SGLang's path, snapkv decides at prefill only); `policies_without_ranges`
@@ -126,7 +129,8 @@ def options(argv: list[str] | None = None) -> dict:
             "mixed": opts.get("--mixed", "0") == "1" or mixed_only, "mixed_only": mixed_only, "device": device,
             "mixed_first": opts.get("--mixed-first", "0") == "1",
             "window_steps": int(opts.get("--window-steps", 64)), "gen_extra": int(opts.get("--gen-extra", 192)),
-            "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", "")}
+            "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
+            "ranges": opts.get("--ranges", "1") == "1"}
 
 
 def mixed_label(names: list[str]) -> str:
@@ -153,6 +157,11 @@ def comparison(runs: dict, names: list[str], requests: int) -> dict:
     rows = deal(names, requests)
     out = {"mixed": label, "mixed_tokens_per_s": mixed, "members_tokens_per_s": solo,
            "member_rows": {n: rows.count(n) for n in names}}
+    # A run whose batch ended inside its window measured a tail of few rows
+    # (a `full` run read 2,612 tok/s so, against 12,215 when whole): named.
+    partial = [n for n in [label, *names] if runs.get(n, {}).get("window_full") is False]
+    if partial:
+        out["window_not_full"] = partial
     missing = [n for n, v in solo.items() if not v]
     if missing:
         out["missing_members"] = missing
@@ -476,7 +485,8 @@ def main() -> None:
     import torch
     import sglang as sgl
 
-    os.environ["KVSIEVE_PROFILE_RANGES"] = "1"  # the named ranges of radix_ext/profiling.py
+    if cfg["ranges"]:
+        os.environ["KVSIEVE_PROFILE_RANGES"] = "1"  # the named ranges of radix_ext/profiling.py
     pool_tokens = int(cfg["kv_tokens"] * headline.POOL_SHARE)
     region_tokens = cfg["kv_tokens"] - pool_tokens
     os.environ["KVSIEVE_REGION_PAGES"] = str(region_tokens * shape["layers"] * shape["kv_heads"] // headline.PAGE)

@@ -34,6 +34,10 @@ def test_comparison_of_a_mixed_run_with_its_members():
     assert out["members_harmonic_mean_tokens_per_s"] == 150.0 and out["ratio"] == 0.8
     # Rows dealt round robin: 3 of 5 are streaming, and the mean weighs them so.
     assert step_profile.comparison(runs, ["streaming", "rkv"], 5)["member_rows"] == {"streaming": 3, "rkv": 2}
+    assert "window_not_full" not in out
+    # A run whose batch ended inside its window is named: its rate is a tail's.
+    runs["rkv"]["window_full"] = False
+    assert step_profile.comparison(runs, ["streaming", "rkv"], 4)["window_not_full"] == ["rkv"]
     # A member without a solo run: named, no mean.
     out = step_profile.comparison({"mixed:a+b": {"tokens_per_s_unprofiled": 5.0}, "a": {"tokens_per_s_unprofiled": 5.0}},
                                   ["a", "b"], 2)
