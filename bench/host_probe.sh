@@ -5,10 +5,10 @@
 # one policy took about its GPU work (bench/results/logs/h200-2026-11-29c/):
 # either the host does more than the GPU in a mixed step, or something in
 # it waits for the GPU. py-spy samples SGLang's scheduler process (every
-# thread, idle ones too, native frames where it can) while bench/traffic.py
+# thread, idle ones too, Python frames) while bench/traffic.py
 # replays the rate-4 trace, once with the ten-policy mix and once with h2o
-# alone; bench/pyspy_summary.py says which functions hold the samples and
-# which of them wait.
+# alone (PROBES picks the runs, default "mixed h2o"); bench/pyspy_summary.py
+# says which functions hold the samples and which of them wait.
 #
 # Needs py-spy on the device: put its wheel beside the project's
 # (`pip download py-spy==0.4.3 --no-deps -d .gpu/`), so the recipe's

@@ -12,8 +12,8 @@ count once; the leaves keep their lines. Only the scheduler's main thread matter
 time: pass --thread to keep the stacks whose first frame names it (py-spy
 puts `thread (0x...)` first with --threads).
 
-Used by bench/host_probe.sh (issue #29: a mixed batch's ~10 ms of host time
-a step with the GPU idle).
+Used by bench/host_probe.sh and bench/step_profile.py --pyspy (issue #29:
+a mixed batch's ~10 ms of host time a step with the GPU idle).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
 requests of 64-token prompts under it; once every request holds budget + 32
 generated tokens (each step evicts or decides, as in the headline's window)
-it measures the unprofiled throughput over 64 steps, then asks SGLang's
+it measures the unprofiled throughput over 64 steps (--window-steps), then asks SGLang's
 scheduler for a torch-profiler trace of --steps steps (16 covers one
 decision of the policies that decide every 16 steps). The trace is
 summarized on the spot: the GPU's busy share of the profiled span (union of
@@ -48,7 +48,7 @@ Mixed batch (issue #29: a mixed batch of policies as fast as its members).
 listed policies dealt round robin (request i runs policy i mod P, each with
 its own budget and --policy-params), profiled the same way (the window opens
 once every request holds the largest budget + 32 tokens; every request
-generates the largest budget + 192), recorded under `runs` as
+generates the largest budget + --gen-extra), recorded under `runs` as
 `mixed:a+b+c`. `--solo a,b`: only these of the listed policies run alone
 (default: each). `--mixed-only 1`: the mixed run only; the members' solo runs
 are then taken from OUT_DIR's existing JSON when its budget, requests,
