@@ -3,7 +3,8 @@
     python bench/step_profile.py MODEL_DIR OUT_DIR [--policy streaming[,rkv,...]] [--budget 1024]
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
         [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
-        [--solo h2o,rkv] [--ranges 0|1] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS] [--out step-profile.json]
+        [--solo h2o,rkv] [--ranges 0|1] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS]
+        [--activities CPU,GPU|GPU] [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
@@ -33,7 +34,12 @@ steps are slower than the unprofiled ones, whose throughput (region graphs
 on, as served) is reported beside them. `--ranges 0` leaves the ranges
 off: the profiled steps then replay their graphs as served, and the
 trace's kernel list (`kernels`) is what a replayed step runs on the GPU,
-without the split. `per_policy_ranges_ms` lists every
+without the split. `gap_causes` says why the GPU idled between operations
+(the next one's launch came late from the host, or it had been launched
+and waited on an event or stream) and names the host's blocking calls;
+`--activities GPU` records no host operations, so the profiled host runs
+nearly at its unprofiled speed and the gaps are the served step's.
+`per_policy_ranges_ms` lists every
 policy of the run with its decide and observe GPU ms per step and its host
 step_inputs ms (0.0 where the trace has no such range: `full` runs
 SGLang's path, snapkv decides at prefill only); `policies_without_ranges`
@@ -130,7 +136,8 @@ def options(argv: list[str] | None = None) -> dict:
             "mixed_first": opts.get("--mixed-first", "0") == "1",
             "window_steps": int(opts.get("--window-steps", 64)), "gen_extra": int(opts.get("--gen-extra", 192)),
             "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
-            "ranges": opts.get("--ranges", "1") == "1"}
+            "ranges": opts.get("--ranges", "1") == "1",
+            "activities": opts.get("--activities", "CPU,GPU").split(",")}
 
 
 def mixed_label(names: list[str]) -> str:
@@ -276,6 +283,50 @@ def range_split(events: list, gpu: list, span_us: float, busy_us: float, steps: 
             "host_ms_per_step_by_range": {k: per(v) for k, v in sorted(host_ms.items())}}
 
 
+def gap_causes(events: list, gpu: list, gaps: list, steps: int) -> dict:
+    """Why the GPU idled in each gap of `gaps`: the operation after the gap
+    was launched by a CUDA runtime call (matched by its correlation id) that
+    ended after the gap began (`host_late`: the GPU waited for the host to
+    launch it) or before (`launched_before`: it waited on something else, an
+    event or another stream). Per step, in ms, with the launching calls and
+    the operations after the gaps that took longest, and the host's blocking
+    runtime calls (synchronizations). Needs the trace's cuda_runtime events
+    (recorded with the GPU activity, also with --activities GPU, whose
+    lighter host overhead leaves the gaps closer to an unprofiled run's)."""
+    launches = {}
+    blocking: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None:
+            launches[corr] = e
+        if "ynchronize" in e.get("name", "") or e.get("name") in ("cudaMemcpy", "cuMemcpyDtoH_v2"):
+            blocking.setdefault(e["name"], []).append(e.get("dur", 0.0))
+    starting = {}
+    for e in gpu:
+        starting.setdefault(e["ts"], e)
+    per = lambda us: round(us / 1000 / steps, 3)  # noqa: E731
+    kinds = {"host_late": 0.0, "launched_before": 0.0, "unmatched": 0.0}
+    by_call: dict[str, float] = {}
+    by_next: dict[str, float] = {}
+    for start, stop in gaps:
+        nxt = starting.get(stop)
+        launch = launches.get(((nxt or {}).get("args") or {}).get("correlation"))
+        if launch is None:
+            kinds["unmatched"] += stop - start
+            continue
+        kind = "host_late" if launch["ts"] + launch.get("dur", 0.0) > start else "launched_before"
+        kinds[kind] += stop - start
+        by_call[f"{kind}: {launch['name']}"] = by_call.get(f"{kind}: {launch['name']}", 0.0) + stop - start
+        by_next[nxt["name"][:80]] = by_next.get(nxt["name"][:80], 0.0) + stop - start
+    top = lambda d: {k: per(v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:10]}  # noqa: E731
+    return {"gap_ms_per_step": {k: per(v) for k, v in kinds.items()},
+            "gap_ms_per_step_by_launch": top(by_call), "gap_ms_per_step_by_next_op": top(by_next),
+            "host_blocking_calls": {name: {"per_step_ms": per(sum(d)), "count": len(d)}
+                                    for name, d in sorted(blocking.items(), key=lambda kv: -sum(kv[1]))[:8]}}
+
+
 def summarize(trace_path: str, steps: int) -> dict:
     events = json.load(gzip.open(trace_path))["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -321,6 +372,7 @@ def summarize(trace_path: str, steps: int) -> dict:
             "gpu_busy_ms": round(busy / 1000, 3), "gpu_busy_share": round(busy / span_us, 3),
             "idle_gaps_over_50us": {"count": len(gaps), "total_ms": round(sum(b - a for a, b in gaps) / 1000, 3)},
             "longest_gaps": in_gaps,
+            "gap_causes": gap_causes(events, gpu, idle_gaps(intervals, 5.0), steps),
             "kernels": [{"name": n, "total_ms": round(t / 1000, 3), "per_step_ms": round(t / 1000 / steps, 3), "count": c}
                         for n, t, c in kernels[:40]],
             "host_top_level": [{"name": n, "total_ms": round(t / 1000, 3), "count": c} for n, t, c in host_ops[:40]],
@@ -376,7 +428,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     profile_id = "kvsieve-step-" + ("mixed" if len(names) > 1 else names[0])
     if cfg["steps"]:
         await engine.tokenizer_manager.start_profile(ProfileReq(output_dir=trace_dir, num_steps=cfg["steps"],
-                                                                activities=["CPU", "GPU"], with_stack=cfg["stack"],
+                                                                activities=cfg["activities"], with_stack=cfg["stack"],
                                                                 record_shapes=False, profile_id=profile_id))
     await asyncio.gather(*tasks)
     result = {("policy" if len(names) == 1 else "policies"): policies[names[0]] if len(names) == 1 else policies,

@@ -459,17 +459,23 @@ def _merge_kernel(
 
 
 @triton.jit(do_not_specialize=["P_pad", "S", "first_block", "sbm_r", "sbm_h", "svn_p", "st_r", "st_h", "sat_r",
-                               "sat_h"])
+                               "sat_h", "observe_shift"])
 def _observe_kernel(
     Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen, PrefixLen, RowColumns,
-    P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
-    sat_r, sat_h, Hq, log_sparsity,
+    RowObserve, P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,
+    sat_r, sat_h, Hq, log_sparsity, observe_shift,
     G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
     ATTENTION: tl.constexpr, PV_NORM: tl.constexpr, HAS_VNORM: tl.constexpr, SPARSITY: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     """Grid (rows, kv heads, groups of key blocks from first_block):
-    probabilities from the stored logits and the final log-sum-exp."""
+    probabilities from the stored logits and the final log-sum-exp.
+    PER_ROW: RowObserve [R] says, from bit observe_shift, which of the
+    step's observations each row's own policy reads (bit 0: the region's
+    attention / |p*v|, bit 1: sparsity); a row's blocks it reads nothing of
+    are skipped (in a mixed batch `full` rows and rows of policies that read
+    no observation, and every row's prefix but those reading sparsity)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -477,6 +483,15 @@ def _observe_kernel(
     hq = h * G + g
     plen = tl.load(PrefixLen + r)
     row_end = P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)  # as _partial_kernel's
+    if PER_ROW:
+        wants = (tl.load(RowObserve + r).to(tl.int32) >> observe_shift) & 3
+        if wants == 0:
+            return
+        skip_to = tl.where((wants & 2) != 0, 0, P_pad)  # the prefix's logits serve sparsity only
+        region_end = tl.where((wants & 1) != 0, row_end, 0)  # the region's written for attention / |p*v|
+    else:
+        skip_to = 0
+        region_end = row_end
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
         sparse_count = tl.zeros([G_PAD], tl.float32)
@@ -486,8 +501,8 @@ def _observe_kernel(
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         block = first_block + tl.program_id(2) * BLOCKS_PER_PROGRAM + i
         n = block * BLOCK + tl.arange(0, BLOCK)
-        in_range = n < row_end  # past it the partial kernel wrote nothing (null pages: no mass)
-        region = in_range & (n >= P_pad)
+        in_range = (n < row_end) & (n >= skip_to)  # past row_end the partial kernel wrote nothing (no mass)
+        region = in_range & (n >= P_pad) & (n < region_end)
         # Prefix keys past the row's own prefix were never scored (nor stored).
         counted = in_range & ((n >= P_pad) | (n < plen))
         if not SPARSITY:
@@ -531,7 +546,8 @@ def default_splits(keys: int) -> int:
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
                      needs: Need = Need.NONE, region_vnorm=None, num_splits: int | None = None,
                      block: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2, quant=None, formats=None,
-                     variant: str = SERVING_TBQ_VARIANT, fused: bool | None = None, row_columns=None):
+                     variant: str = SERVING_TBQ_VARIANT, fused: bool | None = None, row_columns=None,
+                     row_observe=None, observe_shift: int = 0):
     """Attention output [R, Hq, Dv] and the observations `needs` asks for.
 
     q [R, Hq, D]; pool_k/v [pool slots, Hkv, D] (SGLang's buffers of the
@@ -554,6 +570,15 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     pages; the columns past them are null pages): a row's keys and
     observations stop there (None: every row reads all M columns). The
     observations past a row's columns are 0, as for null pages.
+
+    `row_observe` [R] int: which observations each row's policy reads, as
+    bits from `observe_shift` (bit 0: attention and pv_norm, bit 1:
+    sparsity; a step passes its first layer's and its later layers' bits
+    in one tensor). The observation pass skips what a row does not read (a
+    mixed batch observes for the union of its policies' needs: its `full`
+    rows' whole KV and its other rows' prefixes are read for sparsity only
+    where a row wants it); what it skips is 0 (sparsity: unspecified).
+    None: every row reads everything `needs` asks for.
 
     `fused`: a step with Need.PV_NORM (LongFlow's rows) and no other need
     than Need.ATTENTION goes by default (None, without num_splits) through
@@ -655,11 +680,13 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     if blocks > first_block:
         _observe_kernel[(R, Hkv, triton.cdiv(blocks - first_block, OBSERVE_BLOCKS_PER_PROGRAM))](
             logits, block_max, lse, row_max, region_v, vnorm, table, valid, attention, pv_norm, sparse, seen,
-            prefix_len, row_columns, P_pad, S, first_block, null_page, logits.stride(0), logits.stride(1),
+            prefix_len, row_columns, row_columns if row_observe is None else row_observe, P_pad, S, first_block,
+            null_page, logits.stride(0), logits.stride(1),
             block_max.stride(0), block_max.stride(1), region_v.stride(0), region_v.stride(1), vnorm.stride(0), valid.stride(0),
-            table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY,
+            table.stride(0), table.stride(1), attention.stride(0), attention.stride(1), Hq, LOG_SPARSITY, observe_shift,
             G=G, G_PAD=G_PAD, DV=DV, PAGE=PAGE, BLOCK=block, BLOCKS_PER_PROGRAM=OBSERVE_BLOCKS_PER_PROGRAM,
             ATTENTION=region_obs, PV_NORM=want_pv, HAS_VNORM=region_vnorm is not None, SPARSITY=sparsity,
+            PER_ROW=row_observe is not None,
         )
     if want_attention:
         obs.attention = attention

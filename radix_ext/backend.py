@@ -418,7 +418,9 @@ class KvsieveAttnBackend(AttentionBackend):
                 out, obs = decode_attention(q3[idx], pool.get_key_buffer(layer.layer_id),
                                             pool.get_value_buffer(layer.layer_id), rows.prefix_slots, rows.prefix_lens,
                                             p.k, p.v, p.valid, table, layer.scaling, needs, region_vnorm=p.vnorm,
-                                            quant=p.quant, formats=p.format, row_columns=rows.columns)
+                                            quant=p.quant, formats=p.format, row_columns=rows.columns,
+                                            row_observe=rows.observe,
+                                            observe_shift=0 if layer.layer_id == 0 else step_meta.LATER_LAYERS_SHIFT)
                 o3[idx[:rows.real]] = out[:rows.real].to(o3.dtype)
             else:
                 rk, rv, view = self._slots(table)

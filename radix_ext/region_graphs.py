@@ -144,7 +144,7 @@ def step_tensors(step) -> list[torch.Tensor]:
     order)."""
     rows = step.region
     return [rows.pool_rows, rows.tables, rows.prefix_slots, rows.prefix_mask, rows.prefix_lens, rows.columns,
-            rows.positions, rows.out_slots]
+            rows.observe, rows.positions, rows.out_slots]
 
 
 def group_tensors(group) -> list[torch.Tensor]:
@@ -495,8 +495,8 @@ class RegionGraphs:
         static = copy.copy(step)
         static.region = copy.copy(step.region)
         rows = static.region
-        for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "columns", "positions",
-                     "out_slots"):
+        for name in ("pool_rows", "tables", "prefix_slots", "prefix_mask", "prefix_lens", "columns", "observe",
+                     "positions", "out_slots"):
             setattr(rows, name, getattr(rows, name).clone())
         # The captured pass reads the compressed rows from static inputs, in
         # order, and writes every row's output (padded ones too) to static o.

@@ -96,6 +96,40 @@ def width_bucket(columns: int) -> int:
     return -(-columns // step) * step
 
 
+#: Past this many columns (512 tokens) a decode step's own width grows
+#: geometrically (step_width_bucket), before its groups' widths do.
+STEP_WIDE_FROM = 32
+
+
+def step_width_bucket(columns: int) -> int:
+    """A decode step's page-table width where graphs replay: as
+    width_bucket to STEP_WIDE_FROM columns, then four steps per doubling
+    (40, 48, 56, 64, 80, 96, ...). Every new step width restarts the
+    step's captured attention and decoder stack (~0.2 s at 128 rows on an
+    H200), and a row that is never cut (snapkv, a long prompt before its
+    budget) widens the step every WIDTH_STEP columns: every 64 tokens,
+    against every 128-256 here past 512 tokens. The attention kernel stops
+    each row at its own columns, so the null columns cost it nothing; a
+    group's pass keeps its own, finer width (width_bucket)."""
+    if columns <= STEP_WIDE_FROM:
+        return width_bucket(columns)
+    step = 1 << ((columns - 1).bit_length() - 3)
+    return -(-columns // step) * step
+
+
+def observe_bits(policy) -> int:
+    """The decode kernel's per-row observation bits (kernels.decode_attention
+    row_observe) for a row of `policy`: bit 0 attention / |p*v|, bit 1
+    sparsity in the first layer; bits 2 and 3 the same in later layers
+    (none for a policy that observes the first layer only)."""
+    first = (1 if policy.needs & (Need.ATTENTION | Need.PV_NORM) else 0) | (2 if policy.needs & Need.SPARSITY else 0)
+    return first | (0 if policy.observes_first_layer_only else first << 2)
+
+
+#: observe_bits' shift for a layer past the first.
+LATER_LAYERS_SHIFT = 2
+
+
 def prefix_bucket(tokens: int) -> int:
     """Width of the prefix-slot table when rows are padded: the longest
     prefix rounded up to 128 up to 2,048, then eight steps per doubling
@@ -292,6 +326,9 @@ class RegionRows:
     #: [R] int32 page-table columns each row holds (0: pool-only and padded
     #: rows); the decode kernel stops each row there, not at the padded width.
     columns: torch.Tensor
+    #: [R] int32: which observations each row's own policy reads
+    #: (observe_bits; 0: pool-only and padded rows, rows of no group).
+    observe: torch.Tensor
     groups: list  # PolicyGroup per policy class present
     needs: Need  # observations any group asked for
     keeps_state: bool  # whether any group updates score / last_hit
@@ -520,7 +557,11 @@ class StepBuilder:
         groups = chunk_key_readers(groups, lambda g: decision_rows_limit(tables.shape[2], g.width * page, dim, element))
         needs = later_needs = Need.NONE
         observed = 0
+        observe = [0] * len(requests)
         for g in groups:
+            bits = observe_bits(g.policy)
+            for r in g.members:
+                observe[r] |= bits
             needs |= g.policy.needs
             if not g.policy.observes_first_layer_only:
                 later_needs |= g.policy.needs
@@ -529,7 +570,7 @@ class StepBuilder:
         return RegionRows(
             requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
             prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev),
-            columns=to_device(columns, torch.int32, dev),
+            columns=to_device(columns, torch.int32, dev), observe=to_device(observe, torch.int32, dev),
             groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
@@ -540,7 +581,7 @@ class StepBuilder:
         """The decode step's padded width (width_bucket), kept while the
         widest rows narrow by less than half: a wide row that ends then
         does not restart every captured graph (region_graphs.reset)."""
-        width = width_bucket(columns)
+        width = step_width_bucket(columns)
         if width < self.held_width < 2 * width:
             return self.held_width
         self.held_width = width
@@ -584,13 +625,21 @@ class StepBuilder:
             room = row_bucket(sum(len(g.members) for g in groups)) - sum(row_bucket(len(g.members)) for g in first)
             n = len(last.members)
             pads_of[id(last)] = room - n if room >= n else row_bucket(n) - n
-        extra = 0
+        # Padded rows are all alike (no request, null pages, outputs
+        # dropped), so policy classes share them: the step grows by the most
+        # one class needs, not by their sum (ten classes of 13 rows: 128 + 4
+        # rows, not 128 + 32, for the whole decoder stack). Groups of one
+        # class take distinct ones, as a class's rows are padded together.
+        extra, used = 0, {}
         for group in padded:
             n, pads = len(group.members), pads_of[id(group)]
             if not pads:
                 continue
+            start = used.get(type(group.policy), 0)
+            used[type(group.policy)] = start + pads
+            extra = max(extra, start + pads)
             take = RowIndex(list(range(n)) + [0] * pads).take
-            new_rows = list(range(rows.real + extra, rows.real + extra + pads))
+            new_rows = list(range(rows.real + start, rows.real + start + pads))
             group.rows = torch.cat([group.rows, _long(new_rows, group.rows.device)])
             group.budget, group.step = take(group.budget), take(group.step)
             group.params = {k: take(v) for k, v in group.params.items()}
@@ -599,7 +648,6 @@ class StepBuilder:
                                                                      device=group.pool_rows.device)])
             group.members = group.members + new_rows
             group.requests = group.requests + [None] * pads
-            extra += pads
         # Rows of no group up to a multiple of ROWS_STEP: a group that is
         # not padded (one that runs eagerly) then does not change the row
         # count that keys the attention's graphs.
@@ -618,6 +666,7 @@ class StepBuilder:
         rows.prefix_mask = grow(rows.prefix_mask, False)
         rows.prefix_lens = grow(rows.prefix_lens, 0)
         rows.columns = grow(rows.columns, 0)
+        rows.observe = grow(rows.observe, 0)
         rows.positions = grow(rows.positions, 0)
         if rows.out_slots is not None:
             rows.out_slots = grow(rows.out_slots, 0)  # SGLang's dummy slot

@@ -143,6 +143,25 @@ def test_padded_rows_change_no_real_row(policy, monkeypatch):
     assert padded["replays"] > exact["replays"]
 
 
+def test_policy_classes_share_their_padded_rows(monkeypatch):
+    # Three classes of 6-7 joining and ending rows: each pads to its own
+    # bucket, and the step grows by the most one class needs (then to a
+    # multiple of ROWS_STEP), not by their sum; no real row changes.
+    monkeypatch.setattr(step_meta, "prefix_bucket", lambda tokens: tokens)
+    mix = "h2o+streaming+rkv"
+    padded, exact = run_joining(mix, pad=True), run_joining(mix, pad=False)
+    for step, (a, b) in enumerate(zip(padded["outputs"], exact["outputs"])):
+        assert torch.equal(a, b), f"step {step}"
+    for a, b in zip(padded["state"], exact["state"]):
+        assert torch.equal(a, b)
+    for s, extra in enumerate(padded["padded"]):
+        active = [i for i in range(ROWS) if START[i] <= s < END[i]]
+        per_class = [sum(1 for i in active if i % 3 == c) for c in range(3)]
+        most = max(row_bucket(n) - n for n in per_class)
+        assert extra == most + (-(len(active) + most) % step_meta.ROWS_STEP), f"step {s}"
+    assert padded["replays"] > exact["replays"]
+
+
 def test_a_bucketed_prefix_width_reads_the_same_keys():
     # Prompts of 8 tokens in a prefix table 128 wide: the same attention up
     # to the reference path's summation order.

@@ -272,6 +272,20 @@ def test_width_buckets_step_by_four_then_four_per_doubling():
         assert w >= c and (c <= 128 or w <= c * 1.25)
 
 
+def test_a_steps_width_grows_geometrically_sooner_than_a_groups():
+    from kvsieve.radix_ext.step_meta import STEP_WIDE_FROM, step_width_bucket, width_bucket
+
+    assert [step_width_bucket(c) for c in (1, 5, 17, 32, 33, 41, 64, 65, 68, 81, 129)] == \
+        [4, 8, 20, 32, 40, 48, 64, 80, 80, 96, 160]
+    # A row growing a column every 16 tokens from 512 to 2,560 tokens widens
+    # the step 9 times, not the 25 times of WIDTH_STEP columns.
+    assert len({step_width_bucket(c) for c in range(33, 161)}) == 9
+    assert len({width_bucket(c) for c in range(33, 161)}) == 25
+    for c in range(1, 3000):
+        w = step_width_bucket(c)
+        assert w >= c and (c <= STEP_WIDE_FROM or w <= c * 1.25)
+
+
 def test_a_padded_decode_width_is_held_while_the_widest_rows_narrow_by_less_than_half():
     import torch
 

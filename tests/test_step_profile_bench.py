@@ -111,3 +111,28 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     assert comp["mixed"] == "mixed:streaming+crystalcache" and comp["ratio"] > 0
     assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
         [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
+
+
+def test_gaps_are_told_apart_by_when_their_next_operation_was_launched(tmp_path):
+    # Kernel 2 was launched (correlation 2) long before the gap before it:
+    # the GPU waited on something else. Kernel 3's launch ended inside its gap:
+    # the host was late. One blocking synchronization on the host.
+    def kernel(ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(name, ts, dur, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [kernel(0, 100, 1), kernel(300, 100, 2), kernel(1000, 100, 3),
+              launch("cudaLaunchKernel", -20, 5, 1), launch("cudaGraphLaunch", 10, 20, 2),
+              launch("cudaLaunchKernel", 900, 10, 3),
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 420, "dur": 400}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    causes = step_profile.summarize(str(path), 1)["gap_causes"]
+    assert causes["gap_ms_per_step"] == {"host_late": 0.6, "launched_before": 0.2, "unmatched": 0.0}
+    assert causes["gap_ms_per_step_by_launch"] == {"host_late: cudaLaunchKernel": 0.6,
+                                                   "launched_before: cudaGraphLaunch": 0.2}
+    assert causes["gap_ms_per_step_by_next_op"] == {"k3": 0.6, "k2": 0.2}
+    assert causes["host_blocking_calls"] == {"cudaStreamSynchronize": {"per_step_ms": 0.4, "count": 1}}

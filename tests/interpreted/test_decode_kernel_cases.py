@@ -175,3 +175,28 @@ def test_each_row_stops_at_its_own_columns(kernel, splits):
     # Reading every column gives another answer for the rows cut short.
     whole, _ = kernel.decode_attention(**case, scale=scale, needs=ALL, num_splits=splits, block=16)
     assert not torch.allclose(whole[1], out[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("shift", [0, 2])
+def test_each_row_observes_what_its_policy_reads(kernel, shift):
+    """A mixed batch observes for the union of its policies' needs; with
+    row_observe each row gets what its own policy reads: attention and
+    |p*v| (bit 0) as the reference gives them, sparsity (bit 1) as well,
+    the rest 0 (sparsity unspecified), and the outputs unchanged."""
+    R, Hq, Hkv, D, P, M, page = 5, 4, 2, 32, 12, 4, 8
+    case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=91, lengths=[12, 12, 3, 12, 0], density=0.9)
+    scale = D ** -0.5
+    bits = [0b01, 0b10, 0b11, 0b00, 0b01]  # region only, sparsity only, both, nothing (a `full` row), region
+    row_observe = torch.tensor([(b << shift) | (0b11 << (2 - shift)) for b in bits], dtype=torch.int32)
+    out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, block=16, row_observe=row_observe,
+                                       observe_shift=shift)
+    ref_out, ref = reference(case, scale, ALL)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    for r, b in enumerate(bits):
+        if b & 1:
+            torch.testing.assert_close(obs.attention[r], ref.attention[r], atol=1e-4, rtol=2e-3)
+            torch.testing.assert_close(obs.pv_norm[r], ref.pv_norm[r], atol=1e-4, rtol=2e-3)
+        else:
+            assert obs.attention[r].abs().sum() == 0 and obs.pv_norm[r].abs().sum() == 0
+        if b & 2:
+            torch.testing.assert_close(obs.sparsity[r], ref.sparsity[r], atol=1e-6, rtol=0)
