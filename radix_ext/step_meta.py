@@ -132,13 +132,15 @@ LATER_LAYERS_SHIFT = 2
 
 def prefix_bucket(tokens: int) -> int:
     """Width of the prefix-slot table when rows are padded: the longest
-    prefix rounded up to 128 up to 2,048, then eight steps per doubling
-    (2,304, 2,560, ...). The decode kernel skips the blocks past a row's own
-    prefix, so this costs masked loads only; a pool-only row (`full`) grows
-    its prefix every step, and each new width is new graph shapes."""
-    if tokens <= 2048:
+    prefix rounded up to 128 up to 512, then two steps per doubling (768,
+    1,024, 1,536, 2,048, 3,072, ...). A pool-only row (`full`) grows its
+    prefix every step, and each new width restarts the step's captured
+    attention and decoder stack (~0.2 s at 128 rows on an H200): a 2,048-token
+    `full` row crosses 9 widths from 64 to 2,112 tokens, not 17. The decode kernel skips the blocks
+    past a row's own prefix, so the wider table costs masked loads only."""
+    if tokens <= 512:
         return -(-tokens // 128) * 128
-    step = 1 << ((tokens - 1).bit_length() - 4)
+    step = 1 << ((tokens - 1).bit_length() - 2)
     return -(-tokens // step) * step
 
 
@@ -540,7 +542,9 @@ class StepBuilder:
         tables = self.pages.table[pool_rows_t, :, :, :width]
         P = max(prefix_lens)
         if self.pad_rows and not prefill:
-            P = min(prefix_bucket(P), self.req_to_token.shape[1])
+            # Never wider than the planned prefix tables (memory_plan) by the bucket alone.
+            planned = max(P, self.fold_max_tokens) if self.fold_max_tokens else self.req_to_token.shape[1]
+            P = min(prefix_bucket(P), planned, self.req_to_token.shape[1])
         if P:
             cols = torch.arange(P, device=dev)
             prefix_mask = cols.unsqueeze(0) < _long(prefix_lens, dev).unsqueeze(1)

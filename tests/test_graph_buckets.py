@@ -166,6 +166,10 @@ def test_a_bucketed_prefix_width_reads_the_same_keys():
     # Prompts of 8 tokens in a prefix table 128 wide: the same attention up
     # to the reference path's summation order.
     assert step_meta.prefix_bucket(8) == 128 and step_meta.prefix_bucket(129) == 256
+    # Past 512 tokens two widths per doubling: a `full` row growing from 64
+    # to 2,112 tokens restarts the step's graphs 9 times, not 17.
+    assert [step_meta.prefix_bucket(t) for t in (512, 513, 769, 1025, 2049)] == [512, 768, 1024, 1536, 3072]
+    assert len({step_meta.prefix_bucket(t) for t in range(64, 2113)}) == 9
     padded, exact = run_joining("streaming", pad=True), run_joining("streaming", pad=False)
     assert padded["outputs"][0].shape == exact["outputs"][0].shape
     for a, b in zip(padded["outputs"], exact["outputs"]):
