@@ -492,11 +492,6 @@ def _observe_kernel(
     else:
         skip_to = 0
         region_end = row_end
-    # A program whose blocks all lie where this row reads nothing (past its
-    # own columns, or in the prefix of a row that reads no sparsity) ends here.
-    lo = (first_block + tl.program_id(2) * BLOCKS_PER_PROGRAM) * BLOCK
-    if (lo >= row_end) | (lo + BLOCKS_PER_PROGRAM * BLOCK <= skip_to):
-        return
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
         sparse_count = tl.zeros([G_PAD], tl.float32)
