@@ -135,9 +135,10 @@ def prefix_bucket(tokens: int) -> int:
     prefix rounded up to 128 up to 512, then two steps per doubling (768,
     1,024, 1,536, 2,048, 3,072, ...). A pool-only row (`full`) grows its
     prefix every step, and each new width restarts the step's captured
-    attention and decoder stack (~0.2 s at 128 rows on an H200): a 2,048-token
-    `full` row crosses 9 widths from 64 to 2,112 tokens, not 17. The decode kernel skips the blocks
-    past a row's own prefix, so the wider table costs masked loads only."""
+    attention and decoder stack (~0.2 s at 128 rows on an H200): growing
+    from 64 to 2,112 tokens it crosses 9 widths, not 17. The decode kernel
+    skips the blocks past a row's own prefix, so the wider table costs
+    masked loads only."""
     if tokens <= 512:
         return -(-tokens // 128) * 128
     step = 1 << ((tokens - 1).bit_length() - 2)
@@ -582,7 +583,7 @@ class StepBuilder:
             observed_slots=observed * page)
 
     def _decode_width(self, columns: int) -> int:
-        """The decode step's padded width (width_bucket), kept while the
+        """The decode step's padded width (step_width_bucket), kept while the
         widest rows narrow by less than half: a wide row that ends then
         does not restart every captured graph (region_graphs.reset)."""
         width = step_width_bucket(columns)
