@@ -169,6 +169,13 @@ def comparison(runs: dict, names: list[str], requests: int) -> dict:
     partial = [n for n in [label, *names] if runs.get(n, {}).get("window_full") is False]
     if partial:
         out["window_not_full"] = partial
+    # A whole-step capture inside a window costs ~0.2 s at 128 rows (1-3 ms
+    # a step of a 64-128-step window): named with their counts, as a run
+    # with one and a run without differ by that much (2026-11-29).
+    captured = {n: runs[n]["graphs"]["forward_captures"] for n in [label, *names]
+                if runs.get(n, {}).get("graphs", {}).get("forward_captures")}
+    if captured:
+        out["windows_with_captures"] = captured
     missing = [n for n, v in solo.items() if not v]
     if missing:
         out["missing_members"] = missing

@@ -38,6 +38,12 @@ def test_comparison_of_a_mixed_run_with_its_members():
     # A run whose batch ended inside its window is named: its rate is a tail's.
     runs["rkv"]["window_full"] = False
     assert step_profile.comparison(runs, ["streaming", "rkv"], 4)["window_not_full"] == ["rkv"]
+    # A window that captured the whole step again is named with its count.
+    assert "windows_with_captures" not in out
+    runs["mixed:streaming+rkv"]["graphs"] = {"forward_captures": 1.0}
+    runs["rkv"]["graphs"] = {"forward_captures": 0.0}
+    assert step_profile.comparison(runs, ["streaming", "rkv"], 4)["windows_with_captures"] == \
+        {"mixed:streaming+rkv": 1.0}
     # A member without a solo run: named, no mean.
     out = step_profile.comparison({"mixed:a+b": {"tokens_per_s_unprofiled": 5.0}, "a": {"tokens_per_s_unprofiled": 5.0}},
                                   ["a", "b"], 2)
