@@ -2,7 +2,7 @@
 `init_forward_metadata` costs the host at a serving step, without an engine.
 
     python bench/step_meta_host.py [--rows 16,32,64,128] [--policies ten] [--steps 200]
-        [--device cpu|cuda] [--out bench/results/step-meta-host-cpu.json]
+        [--classes 1,3,9] [--device cpu|cuda] [--out bench/results/step-meta-host-cpu.json]
 
 Builds the region at R1-Distill-Qwen-7B's attention shapes (28 layers, 4 KV
 heads, head_dim 128, page size 16), admits --rows requests with the policies
@@ -16,6 +16,9 @@ copy of a few microseconds, which is where a serving step's 4-7 ms of
 metadata went (bench/results/traffic-*-h200-*.json, `meta_ms_mean`).
 On CPU the operations are cheap, so the count is the number to compare;
 `--device cuda` (a device call, no engine) gives the times that matter.
+`--classes 1,3,9` repeats each row count with the rows dealt over the first
+1, 3 and 9 policies only (issue #29 asks for host work per step that does
+not grow with the number of policy classes; each run records `classes`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import itertools
 import json
 import platform
 import statistics
@@ -150,6 +154,8 @@ def main() -> None:
     ap.add_argument("--policies", default=None, help="comma list (default: every decode-time policy and snapkv)")
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--classes", default=None,
+                    help="comma list of class counts: each row count with the first k policies only")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None)
@@ -161,14 +167,17 @@ def main() -> None:
                        platform.machine()),
            "command": " ".join(sys.argv), "commit": args.commit, "policies": names, "budget": args.budget,
            "runs": []}
-    for rows in [int(r) for r in args.rows.split(",")]:
-        run = measure(rows, names, args.budget, args.steps, args.device)
+    counts = [int(k) for k in args.classes.split(",")] if args.classes else [len(names)]
+    if any(not 1 <= k <= len(names) for k in counts):
+        ap.error(f"--classes: each count must be 1..{len(names)} (the policies given)")
+    for rows, classes in itertools.product([int(r) for r in args.rows.split(",")], counts):
+        run = {"classes": classes, **measure(rows, names[:classes], args.budget, args.steps, args.device)}
         out["runs"].append(run)
-        print(f"rows {rows:4d}: groups {run['groups']:2d} padded {run['padded_rows']:4d} "
+        print(f"rows {rows:4d} classes {classes:2d}: groups {run['groups']:2d} padded {run['padded_rows']:4d} "
               f"host {run['host_ms_median']:7.3f} ms (p90 {run['host_ms_p90']:.3f}) "
               f"ops {run['ops_per_step']:7.1f} (on the GPU {run['gpu_ops_per_step']:.1f})", flush=True)
         top = list(run["ops_by_name"].items())[:8]
-        print("   top ops:", ", ".join(f"{k} {v}" for k, v in top), flush=True)
+        print("   top ops:", ", ".join(f"{name} {n}" for name, n in top), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print("->", args.out)

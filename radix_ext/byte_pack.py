@@ -29,9 +29,15 @@ def _runs(tensors) -> list[list[int]]:
     return runs
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    # Most of a step's tensors are one value per row: already flat, and a
+    # reshape would be one more dispatched op each (hundreds a step).
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 def _bytes(tensors, runs) -> list[torch.Tensor]:
     """The bytes of each run (one flat cat per dtype, viewed as uint8)."""
-    return [torch.cat([tensors[i].reshape(-1) for i in run]).view(torch.uint8) for run in runs]
+    return [torch.cat([_flat(tensors[i]) for i in run]).view(torch.uint8) for run in runs]
 
 
 def _views(flat: torch.Tensor, like, runs) -> list[torch.Tensor]:
@@ -43,7 +49,7 @@ def _views(flat: torch.Tensor, like, runs) -> list[torch.Tensor]:
         sizes = [like[i].numel() for i in run]
         n = sum(sizes) * like[run[0]].element_size()
         for i, piece in zip(run, flat[at:at + n].view(dtype).split(sizes)):
-            out[i] = piece.view(like[i].shape)
+            out[i] = piece if like[i].dim() == 1 else piece.view(like[i].shape)
         at += n
     return out
 

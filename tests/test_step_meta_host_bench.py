@@ -29,6 +29,21 @@ def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
         assert run["graph_entries"] == 1 and run["group_entries"] == 3
 
 
+
+def test_a_class_sweep_deals_the_same_rows_over_fewer_policies(tmp_path):
+    out = tmp_path / "classes.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "12", "--steps", "12",
+                           "--policies", "h2o,rkv,streaming", "--classes", "1,3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["rows"], r["classes"], r["groups"]) for r in runs] == [(12, 1, 1), (12, 3, 3)]
+    # More classes, more groups to cut, pad and ship: the number issue #29 wants flat.
+    assert runs[1]["ops_per_step"] > runs[0]["ops_per_step"]
+    bad = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "8", "--policies", "h2o",
+                          "--classes", "2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--classes" in bad.stderr
+
 def test_the_plot_of_two_runs_is_written(tmp_path):
     out = tmp_path / "meta.png"
     results = REPO / "bench/results"
