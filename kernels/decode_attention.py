@@ -603,6 +603,11 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     where a row wants it); what it skips is 0 (sparsity: unspecified).
     None: every row reads everything `needs` asks for.
 
+    `num_splits` None: the batch-invariant layout (row_splits: a row's
+    output bits do not depend on the other rows of the batch up to 8K keys);
+    a number: that many splits of the batch's own keys (the layout before,
+    for A/B timings in bench/kernel_check.py).
+
     `fused`: a step with Need.PV_NORM (LongFlow's rows) and no other need
     than Need.ATTENTION goes by default (None, without num_splits) through
     kernels/longflow_fused.py: the same results from one kernel with no
