@@ -50,9 +50,12 @@ OBSERVE_BLOCKS_PER_PROGRAM = 8
 #: ln(SPARSITY_THRESHOLD): a probability below threshold x the row max has a
 #: logit below the row's max logit + this.
 LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
-#: Splits the merge kernel is compiled for: one kernel for every default
-#: split count (default_splits gives at most 16), not one per power of two.
-MERGE_SPLITS = 16
+#: Keys of one split by default: the prefix and the region each start at a
+#: split boundary, so a row's keys fall in the same splits whatever the
+#: batch's longest prefix and widest row (row_splits; doubled past
+#: MAX_DEFAULT_SPLITS splits, which only batches of over 8K keys reach).
+KEYS_PER_SPLIT = 512
+MAX_DEFAULT_SPLITS = 16
 
 # Integers that follow the step's shapes (widths, prefixes, split counts and
 # the strides of scratch sized by them) are not specialized: Triton compiles
@@ -437,21 +440,26 @@ def _partial_kernel(
 def _merge_kernel(
     PartO, PartM, PartL, Out, Lse, RowMax,
     num_splits, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
-    DV: tl.constexpr, SPLITS: tl.constexpr,
+    DV: tl.constexpr,
 ):
-    """Grid (rows, query heads): the splits merged by their log-sum-exp."""
+    """Grid (rows, query heads): the splits merged by their log-sum-exp, one
+    after another in split order. A split that saw none of the row's keys
+    (m -1e30, l 0, o 0) adds exact zeros, so the merge of a row's splits is
+    the same bits however many empty splits a batch puts between them (a
+    tree sum pairs them differently by their positions)."""
     r = tl.program_id(0)
     hq = tl.program_id(1)
-    sp = tl.arange(0, SPLITS)
-    ok = sp < num_splits
     dv = tl.arange(0, DV)
-    m = tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=ok, other=-1e30)
-    l = tl.load(PartL + r * spm_r + hq * spm_h + sp, mask=ok, other=0.0)
-    top = tl.max(m, 0)
-    w = tl.exp(m - top) * ok
-    total = tl.sum(l * w, 0)
-    o = tl.load(PartO + r * spo_r + hq * spo_h + sp[:, None] * spo_s + dv[None, :], mask=ok[:, None], other=0.0)
-    merged = tl.sum(o * w[:, None], 0) / tl.maximum(total, 1e-30)  # a row that sees nothing: 0
+    top = tl.full([], -1e30, tl.float32)
+    for sp in range(num_splits):
+        top = tl.maximum(top, tl.load(PartM + r * spm_r + hq * spm_h + sp))
+    total = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([DV], tl.float32)
+    for sp in range(num_splits):
+        w = tl.exp(tl.load(PartM + r * spm_r + hq * spm_h + sp) - top)
+        total += tl.load(PartL + r * spm_r + hq * spm_h + sp) * w
+        acc += tl.load(PartO + r * spo_r + hq * spo_h + sp * spo_s + dv) * w
+    merged = acc / tl.maximum(total, 1e-30)  # a row that sees nothing: 0
     tl.store(Out + r * so_r + hq * so_h + dv, merged.to(Out.dtype.element_ty))
     heads = tl.num_programs(1)
     tl.store(Lse + r * heads + hq, top + tl.log(tl.maximum(total, 1e-30)))
@@ -540,7 +548,22 @@ def default_splits(keys: int) -> int:
     """Chunks per (row, kv head): about 512 keys each, at most 16 (chosen
     from a sweep of 1-32 splits on an H100; bench/kernel_check.py compares
     this default with 8 and 16 splits)."""
-    return int(max(1, min(16, triton.cdiv(max(keys, 1), 512))))
+    return int(max(1, min(MAX_DEFAULT_SPLITS, triton.cdiv(max(keys, 1), KEYS_PER_SPLIT))))
+
+
+def row_splits(prefix: int, slots: int, block: int) -> tuple[int, int]:
+    """The default split layout (keys per split, padded prefix): splits of
+    KEYS_PER_SPLIT keys, the prefix padded to whole splits so the region
+    starts on a split boundary. A row's prefix keys then fall in splits
+    0, 1, ... and its region keys in the region's first splits on, the same
+    for the row alone and beside longer rows: its outputs are the same bits
+    in any batch (the merge adds the empty splits as exact zeros). Past
+    MAX_DEFAULT_SPLITS splits the split doubles (a batch of over 8K keys:
+    there a row's sums follow the batch's longest row)."""
+    per_split = max(KEYS_PER_SPLIT, block)
+    while triton.cdiv(prefix, per_split) + triton.cdiv(slots, per_split) > MAX_DEFAULT_SPLITS:
+        per_split *= 2
+    return per_split, triton.cdiv(prefix, per_split) * per_split
 
 
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
@@ -580,6 +603,11 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     where a row wants it); what it skips is 0 (sparsity: unspecified).
     None: every row reads everything `needs` asks for.
 
+    `num_splits` None: the batch-invariant layout (row_splits: a row's
+    output bits do not depend on the other rows of the batch up to 8K keys);
+    a number: that many splits of the batch's own keys (the layout before,
+    for A/B timings in bench/kernel_check.py).
+
     `fused`: a step with Need.PV_NORM (LongFlow's rows) and no other need
     than Need.ATTENTION goes by default (None, without num_splits) through
     kernels/longflow_fused.py: the same results from one kernel with no
@@ -607,11 +635,14 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
             raise ValueError(f"unknown variant {variant!r}")
         pages = max(1, block // PAGE)
         block = PAGE * (1 << (pages.bit_length() - 1))  # whole pages, a power of two of them
-    P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
-    keys = P_pad + S
-    splits = num_splits or default_splits(keys)
-    per_split = triton.cdiv(triton.cdiv(max(keys, 1), splits), block) * block
-    splits = triton.cdiv(max(keys, 1), per_split)  # no empty split
+    if num_splits is None:  # batch-invariant: a row's splits do not depend on the other rows (row_splits)
+        per_split, P_pad = row_splits(P, S, block)
+        keys = P_pad + S
+    else:
+        P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
+        keys = P_pad + S
+        per_split = triton.cdiv(triton.cdiv(max(keys, 1), num_splits), block) * block
+    splits = triton.cdiv(max(keys, 1), per_split)  # no split past the keys
     part_o = torch.empty((R, Hq, splits, DV), dtype=torch.float32, device=dev)
     part_m = torch.empty((R, Hq, splits), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
@@ -664,7 +695,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     _merge_kernel[(R, Hq)](
         part_o, part_m, part_l, out, lse, row_max,
         splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        out.stride(0), out.stride(1), DV=DV, SPLITS=max(MERGE_SPLITS, triton.next_power_of_2(splits)),
+        out.stride(0), out.stride(1), DV=DV,
     )
     obs = Observations()
     if not observing:

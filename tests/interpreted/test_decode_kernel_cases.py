@@ -200,3 +200,29 @@ def test_each_row_observes_what_its_policy_reads(kernel, shift):
             assert obs.attention[r].abs().sum() == 0 and obs.pv_norm[r].abs().sum() == 0
         if b & 2:
             torch.testing.assert_close(obs.sparsity[r], ref.sparsity[r], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_rows_output_is_the_same_bits_beside_longer_rows(kernel, dtype):
+    """Batch invariance (row_splits): a row alone and the same row beside a
+    row of a long prefix and a wide region (a mixed batch's `full` or snapkv
+    row) get the same output bits and observations; the old layout (splits
+    from the batch's keys) did not (one fp16 unit here)."""
+    R, Hq, Hkv, D, page = 2, 4, 2, 64, 16
+    case = random_case(R, Hq, Hkv, D, 600, 48, page, dtype, seed=5, lengths=[64, 600], density=1.0)
+    scale = D ** -0.5
+    cols = torch.tensor([8, 48], dtype=torch.int32)
+    batch, obs_b = kernel.decode_attention(**case, scale=scale, needs=ALL, row_columns=cols)
+    alone = {key: (v[:1] if torch.is_tensor(v) and v.shape[:1] == (R,) else v) for key, v in case.items()}
+    alone.update(prefix_slots=case["prefix_slots"][:1, :64], table=case["table"][:1, :, :8])
+    single, obs_a = kernel.decode_attention(**alone, scale=scale, needs=ALL, row_columns=cols[:1])
+    assert torch.equal(single[0], batch[0])
+    assert torch.equal(obs_a.attention[0], obs_b.attention[0, :, :obs_a.attention.shape[-1]])
+    assert torch.equal(obs_a.sparsity[0], obs_b.sparsity[0])
+    # Splits from each batch's own keys (num_splits as default_splits gives
+    # them: one alone, three beside the long row) sum the row otherwise.
+    alone_splits, batch_splits = kernel.default_splits(64 + 8 * page), kernel.default_splits(608 + 48 * page)
+    old_alone, _ = kernel.decode_attention(**alone, scale=scale, needs=ALL, row_columns=cols[:1],
+                                           num_splits=alone_splits)
+    old_batch, _ = kernel.decode_attention(**case, scale=scale, needs=ALL, row_columns=cols, num_splits=batch_splits)
+    assert (alone_splits, batch_splits) == (1, 3) and not torch.equal(old_alone[0], old_batch[0])
