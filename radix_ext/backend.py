@@ -403,7 +403,7 @@ class KvsieveAttnBackend(AttentionBackend):
             p.k[page, offset] = k3[idx].to(p.k.dtype)
             p.v[page, offset] = v3[idx].to(p.v.dtype)
             p.vnorm[page, offset] = v3[idx].float().abs().sum(-1)
-            # Padded rows (step_meta.StepBuilder.pad) hold only the null page:
+            # Padded rows (step_meta.StepBuilder.pad_groups) hold only the null page:
             # what they store there must never be valid.
             p.valid[page, offset] = page != p.null_page
             p.position[page, offset] = rows.positions.unsqueeze(1)

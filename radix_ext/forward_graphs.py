@@ -47,7 +47,7 @@ whose composition changes every step replays its segments per layer
 instead.
 
 Row counts are bucketed: each policy group is padded to step_meta.row_bucket
-rows (StepBuilder.pad) and the stack runs on the padded rows, whose hidden
+rows (StepBuilder.pad_groups) and the stack runs on the padded rows, whose hidden
 states are dropped; a request that joins or ends keeps the step's shapes
 unless its group crosses a bucket (each new shape costs one eager step, one
 step with region-graph capture, then one forward capture).

@@ -33,7 +33,7 @@ time its key shows up among the recent ones: that step runs the segment
 eagerly for real on the static tensors, then captures it (capture records,
 it does not execute), so no step is applied twice. Decode steps' policy
 groups are padded to bucketed row counts (step_meta.row_bucket,
-StepBuilder.pad), so requests joining and ending mostly keep the shapes.
+StepBuilder.pad_groups), so requests joining and ending mostly keep the shapes.
 Only policies marked `graph_safe` are captured (and the observing rows of
 those marked `observe_graph_safe`): their decisions are tensor functions of
 (batch, view, obs) whose host-side inputs (shapes, parameter maxima) are

@@ -66,7 +66,7 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-#: A decode step's padded row count is a multiple of this (StepBuilder.pad).
+#: A decode step's padded row count is a multiple of this (StepBuilder.pad_groups).
 ROWS_STEP = 16
 
 #: Where graphs replay, a decode step's page-table width (columns of 16
@@ -344,7 +344,7 @@ class RegionRows:
     #: first layer only (Policy.observes_first_layer_only) ask for nothing there.
     later_needs: Need = Need.NONE
     later_keeps_state: bool = False
-    #: Host: the leading rows that are requests; the rest (StepBuilder.pad)
+    #: Host: the leading rows that are requests; the rest (StepBuilder.pad_groups)
     #: pad policy groups to row_bucket sizes, read page-table row
     #: PAD_POOL_ROW (null pages only), and their outputs are dropped.
     real: int = 0
@@ -414,6 +414,12 @@ class StepMeta:
 
 def _long(values, device) -> torch.Tensor:
     return to_device(values, torch.int64, device)
+
+
+def _padded(t: torch.Tensor, rows: RegionRows) -> torch.Tensor:
+    """`t` (one value per real row) with zeros for the step's padded rows."""
+    extra = rows.pool_rows.shape[0] - rows.real
+    return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t
 
 
 def sub_batch(forward_batch, rows: list[int], token_rows: Optional[list[int]], device):
@@ -531,13 +537,15 @@ class StepBuilder:
         return split
 
     def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill,
-                     slot_rows: Optional[torch.Tensor] = None) -> RegionRows:
+                     slot_rows: Optional[torch.Tensor] = None, pad: bool = False) -> RegionRows:
         """The region rows of a step. A None in `requests` is a pool-only row
         (fold_pool_rows): in no group, its table row pool_rows[r] is
         PAD_POOL_ROW, and its prefix comes from its req_to_token row in
-        `slot_rows` (the batch's req_pool_indices, on the device)."""
+        `slot_rows` (the batch's req_pool_indices, on the device). `pad`:
+        groups padded to row_bucket sizes and the step's rows after them
+        (pad_groups), on the host lists, before any of them is a tensor."""
         dev = self.device
-        pool_rows_t = _long(pool_rows, dev)
+        real = len(requests)
         compressed = [r for r, req in enumerate(requests) if req is not None]
         # Each row's own columns (0: pool-only or no pages); the step's width covers the widest.
         columns = self.pages.columns_of_each([None if req is None else req.rid for req in requests])
@@ -545,29 +553,20 @@ class StepBuilder:
         if self.pad_rows and not prefill:
             width = self._decode_width(width)
             self.pages.ensure_width(width)
-        tables = self.pages.table[pool_rows_t, :, :, :width]
         P = max(prefix_lens)
         if self.pad_rows and not prefill:
             # Never wider than the planned prefix tables (memory_plan) by the bucket alone.
             planned = max(P, self.fold_max_tokens) if self.fold_max_tokens else self.req_to_token.shape[1]
             P = min(prefix_bucket(P), planned, self.req_to_token.shape[1])
-        if P:
-            cols = torch.arange(P, device=dev)
-            prefix_mask = cols.unsqueeze(0) < _long(prefix_lens, dev).unsqueeze(1)
-            prefix_slots = torch.where(prefix_mask, self.req_to_token[pool_rows_t if slot_rows is None else slot_rows,
-                                                                      :P].long(),
-                                       torch.zeros((), dtype=torch.int64, device=dev))
-        else:
-            prefix_mask = torch.zeros((len(requests), 0), dtype=torch.bool, device=dev)
-            prefix_slots = torch.zeros((len(requests), 0), dtype=torch.int64, device=dev)
         groups = self._groups(requests, compressed, steps, budgets, pool_rows, prefill)
         for group in groups:
             group.width = width if prefill else self._group_width(group, width)
         page, dim, element = self.pages.config.page_size, self.pages.config.head_dim, self.pages.k.element_size()
-        groups = chunk_key_readers(groups, lambda g: decision_rows_limit(tables.shape[2], g.width * page, dim, element))
+        heads = self.pages.table.shape[2]
+        groups = chunk_key_readers(groups, lambda g: decision_rows_limit(heads, g.width * page, dim, element))
         needs = later_needs = Need.NONE
         observed = 0
-        observe = [0] * len(requests)
+        observe = [0] * real
         for g in groups:
             bits = observe_bits(g.policy)
             for r in g.members:
@@ -577,14 +576,35 @@ class StepBuilder:
                 later_needs |= g.policy.needs
             if g.policy.needs & (Need.ATTENTION | Need.PV_NORM):
                 observed = max(observed, g.width)
+        extra = self.pad_groups(groups, real) if pad else 0
+        if extra:
+            # Padded rows: batch row 0 (their q/k/v are read, not used), the
+            # null pages' table row, no prefix, no columns, no observations.
+            batch_rows, pool_rows = list(batch_rows) + [0] * extra, list(pool_rows) + [PAD_POOL_ROW] * extra
+            prefix_lens = list(prefix_lens) + [0] * extra
+            columns, observe = columns + [0] * extra, observe + [0] * extra
+            if slot_rows is not None:
+                slot_rows = torch.cat([slot_rows, slot_rows.new_full((extra,), PAD_POOL_ROW)])
+        # The rows' host lists in two transfers (one per dtype), not one each.
+        batch_index, pool_rows_t, prefix_lens_t = rows_to_device([batch_rows, pool_rows, prefix_lens], torch.int64, dev)
+        columns_t, observe_t = rows_to_device([columns, observe], torch.int32, dev)
+        tables = self.pages.table[pool_rows_t, :, :, :width]
+        if P:
+            cols = torch.arange(P, device=dev)
+            prefix_mask = cols.unsqueeze(0) < prefix_lens_t.unsqueeze(1)
+            prefix_slots = torch.where(prefix_mask, self.req_to_token[pool_rows_t if slot_rows is None else slot_rows,
+                                                                      :P].long(),
+                                       torch.zeros((), dtype=torch.int64, device=dev))
+        else:
+            prefix_mask = torch.zeros((real + extra, 0), dtype=torch.bool, device=dev)
+            prefix_slots = torch.zeros((real + extra, 0), dtype=torch.int64, device=dev)
         return RegionRows(
-            requests=requests, batch_index=_long(batch_rows, dev), pool_rows=pool_rows_t, tables=tables,
-            prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=_long(prefix_lens, dev),
-            columns=to_device(columns, torch.int32, dev), observe=to_device(observe, torch.int32, dev),
-            groups=groups,
+            requests=requests, batch_index=batch_index, pool_rows=pool_rows_t, tables=tables,
+            prefix_slots=prefix_slots, prefix_mask=prefix_mask, prefix_lens=prefix_lens_t,
+            columns=columns_t, observe=observe_t, groups=groups,
             needs=needs, keeps_state=any(g.policy.keeps_slot_state for g in groups), later_needs=later_needs,
             later_keeps_state=any(g.policy.keeps_slot_state and not g.policy.observes_first_layer_only
-                                  for g in groups), real=len(requests), pool_only=len(requests) - len(compressed),
+                                  for g in groups), real=real, pool_only=real - len(compressed),
             observed_slots=observed * page)
 
     def _decode_width(self, columns: int) -> int:
@@ -606,7 +626,7 @@ class StepBuilder:
         columns = self.pages.width_of([r.rid for r in group.requests])
         return min(step_width, width_bucket(columns)) if self.pad_rows else columns
 
-    def pad(self, rows: RegionRows) -> None:
+    def pad_groups(self, groups: list, real: int) -> int:
         """Pad the policy groups of a decode step to row_bucket rows, so that
         requests joining and ending keep the step's shapes (and its captured
         graphs). Padded rows come after the real ones, copy their group's
@@ -620,9 +640,11 @@ class StepBuilder:
         A policy whose rows split into deciding and observing groups is
         padded to row_bucket of all its rows together (its last group takes
         what the others leave), so the step's row count, which keys the
-        attention's graphs, does not change with how many rows decide."""
-        dev = self.device
-        padded = [g for g in rows.groups if region_graphs.capturable(g) and g.splittable()]
+        attention's graphs, does not change with how many rows decide.
+
+        The step's rows after its `real` ones: how many it grows by (the
+        caller pads its own row lists)."""
+        padded = [g for g in groups if region_graphs.capturable(g) and g.splittable()]
         by_class: dict[type, list] = {}
         for group in padded:
             by_class.setdefault(type(group.policy), []).append(group)
@@ -649,7 +671,7 @@ class StepBuilder:
             used[type(group.policy)] = start + pads
             extra = max(extra, start + pads)
             take = RowIndex(list(range(n)) + [0] * pads).take
-            new_rows = list(range(rows.real + start, rows.real + start + pads))
+            new_rows = list(range(real + start, real + start + pads))
             group.rows = torch.cat([group.rows, _long(new_rows, group.rows.device)])
             group.budget, group.step = take(group.budget), take(group.step)
             group.params = {k: take(v) for k, v in group.params.items()}
@@ -661,25 +683,10 @@ class StepBuilder:
         # Rows of no group up to a multiple of ROWS_STEP: a group that is
         # not padded (one that runs eagerly) then does not change the row
         # count that keys the attention's graphs.
-        extra += -(rows.real + extra) % ROWS_STEP
-        if not extra:
-            return
-        metrics.record_padded_rows(extra)
-
-        def grow(t, fill):
-            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype, device=dev)])
-        rows.batch_index = grow(rows.batch_index, 0)  # any row of the batch: their q/k/v are read, not used
-        rows.pool_rows = grow(rows.pool_rows, PAD_POOL_ROW)
-        rows.tables = torch.cat([rows.tables, self.pages.table[PAD_POOL_ROW, :, :, :rows.tables.shape[3]]
-                                 .unsqueeze(0).expand(extra, -1, -1, -1)])
-        rows.prefix_slots = grow(rows.prefix_slots, 0)
-        rows.prefix_mask = grow(rows.prefix_mask, False)
-        rows.prefix_lens = grow(rows.prefix_lens, 0)
-        rows.columns = grow(rows.columns, 0)
-        rows.observe = grow(rows.observe, 0)
-        rows.positions = grow(rows.positions, 0)
-        if rows.out_slots is not None:
-            rows.out_slots = grow(rows.out_slots, 0)  # SGLang's dummy slot
+        extra += -(real + extra) % ROWS_STEP
+        if extra:
+            metrics.record_padded_rows(extra)
+        return extra
 
     # ----- the step ---------------------------------------------------------
     def build(self, forward_batch) -> Optional[StepMeta]:
@@ -778,13 +785,12 @@ class StepBuilder:
             pool = []
         elif region:
             rows = self._region_rows(requests, region, pool_rows, [r.prefix_len for r in requests], steps, budgets,
-                                     prefill=False)
+                                     prefill=False, pad=self.pad_rows)
             self._flushes(rows, requests, steps)
         if rows is not None:
-            rows.positions = fb.positions[rows.batch_index]
-            rows.out_slots = fb.out_cache_loc[rows.batch_index].long()
-            if self.pad_rows:
-                self.pad(rows)
+            index = rows.batch_index[:rows.real]
+            rows.positions = _padded(fb.positions[index], rows)
+            rows.out_slots = _padded(fb.out_cache_loc[index].long(), rows)  # padded rows: SGLang's dummy slot 0
         return self._meta(fb, rows, None, pool, zero, pool_tokens=None, zero_tokens=None)
 
     def _folded_rows(self, fb, seq_lens, requests, region, pool_rows, steps, budgets) -> RegionRows:
@@ -802,7 +808,7 @@ class StepBuilder:
             by_row[i], table_rows[i], prefix_lens[i] = req, pool_row, req.prefix_len
             all_steps[i], all_budgets[i] = step, budget
         rows = self._region_rows(by_row, list(range(batch)), table_rows, prefix_lens, all_steps, all_budgets,
-                                 prefill=False, slot_rows=fb.req_pool_indices.long())
+                                 prefill=False, slot_rows=fb.req_pool_indices.long(), pad=self.pad_rows)
         self._flushes(rows, by_row, all_steps)
         metrics.record_pool_only_rows(rows.pool_only)
         return rows

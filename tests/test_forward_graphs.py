@@ -97,6 +97,7 @@ def test_a_step_replays_whole_only_when_every_row_is_compressed_and_captured(run
 def test_full_rows_beside_compressed_ones_join_the_pass_as_pool_only_rows(runtime):
     _two_rows(runtime)
     runtime.fold_pool_rows, runtime.fold_max_tokens = True, 64
+    runtime.pad_rows = True  # as where graphs replay: the step padded to a multiple of ROWS_STEP
     batch = decode_batch(["a", "f", "b"], [3, 6, 5], [7, 9, 7])
     batch.out_cache_loc = torch.tensor([0, 4321, 0])  # SGLang's slot for f's new token; 0: compressed rows
     step = runtime.build(batch)
@@ -105,12 +106,23 @@ def test_full_rows_beside_compressed_ones_join_the_pass_as_pool_only_rows(runtim
     assert step.pool_batch is None and step_is_whole(step, batch_size=3)
     assert rows.real == 3 and rows.pool_only == 1 and rows.batch_index.tolist()[:3] == [0, 1, 2]
     assert rows.pool_rows.tolist()[:3] == [3, 0, 5]
-    assert (rows.tables[1] == RUNTIME.region.null_page).all() and (rows.tables[0] != RUNTIME.region.null_page).all()
+    own = int(rows.columns[0])  # a's own columns; the step's width is padded past them with null pages
+    null = RUNTIME.region.null_page
+    assert (rows.tables[1] == null).all() and (rows.tables[0, ..., :own] != null).all()
     assert [g.members for g in rows.groups] == [[0, 2]]
     # Its prefix is every token it holds, this step's included, from its own req_to_token row.
     assert rows.prefix_lens.tolist()[:3] == [5, 9, 5]
     assert torch.equal(rows.prefix_slots[1, :9], torch.arange(6 * 2000, 6 * 2000 + 9))
     assert rows.out_slots.tolist()[:3] == [0, 4321, 0]
+    # Padded rows (to a multiple of ROWS_STEP): no request, the null pages'
+    # table row, no prefix, no columns or observations, SGLang's dummy slot.
+    pads = rows.pool_rows.shape[0] - rows.real
+    assert pads > 0 and rows.tables.shape[0] == rows.prefix_slots.shape[0] == rows.real + pads
+    assert rows.pool_rows.tolist()[3:] == [0] * pads and rows.batch_index.tolist()[3:] == [0] * pads
+    assert rows.prefix_lens.tolist()[3:] == [0] * pads and not rows.prefix_mask[3:].any()
+    assert not rows.prefix_slots[3:].any() and (rows.tables[3:] == RUNTIME.region.null_page).all()
+    assert rows.columns.tolist()[3:] == rows.observe.tolist()[3:] == [0] * pads
+    assert rows.out_slots.tolist()[3:] == rows.positions.tolist()[3:] == [0] * pads
     # A batch of `full` rows only is SGLang's, and so is one with a `full`
     # row longer than the planned prefix tables, or a row being aborted.
     assert runtime.build(decode_batch(["f", "g"], [6, 7], [9, 9])) is None

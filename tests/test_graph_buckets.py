@@ -7,7 +7,7 @@ traffic, on CPU through the real step builder and backend pass
   reach their cadence (rkv's and skipkv's `buffer`, crystal_kv's
   `evict_interval`) at different steps, so the number of rows that decide
   changes from step to step; the padding rows' select_decode only observes;
-* policy groups padded with rows of no request (StepBuilder.pad,
+* policy groups padded with rows of no request (StepBuilder.pad_groups,
   step_meta.row_bucket): requests joining and ending change the row count;
   padded rows read a page-table row of null pages and their outputs are
   dropped.

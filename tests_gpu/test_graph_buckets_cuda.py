@@ -1,4 +1,4 @@
-"""Padded rows on a GPU (step_meta.row_bucket, StepBuilder.pad), outside
+"""Padded rows on a GPU (step_meta.row_bucket, StepBuilder.pad_groups), outside
 SGLang (tests/helpers/region_pass.py), at R1-Distill-Qwen-7B's attention
 shapes: 48 rows joining over the first steps and ending over the last ones,
 budget 16, every `graph_safe` policy. With policy groups padded and the

@@ -213,7 +213,7 @@ def joining_steps(policy: str, starts: list[int], ends: list[int], steps: int, *
     """Decode steps 0..steps-1 of len(starts) rows, row i decoding in steps
     [starts[i], ends[i]) at its own step s - starts[i] (requests joining
     and ending), on random q/k/v (seeded: two calls see the same), policy
-    groups padded to row buckets (StepBuilder.pad) or not. Returns every
+    groups padded to row buckets (StepBuilder.pad_groups) or not. Returns every
     step's outputs of its rows, the region's final state without the null
     page and SGLang's padding row (which padded rows write), the padded
     rows per step, and the graph replays."""
