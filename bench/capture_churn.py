@@ -1,0 +1,173 @@
+"""Why decode steps under traffic leave the replayed decoder stack: the slow
+steps of a kvsieve step log (radix_ext/step_log.py, KVSIEVE_STEP_LOG), what
+changed in each, and how many a coarser key or another capture rule would
+leave (issue #29: what a mixed batch loses).
+
+    python bench/capture_churn.py STEPS.jsonl[.gz] [--out churn.json]
+
+A decode step replays the whole stack only where the shapes of its attention
+segment (padded rows, page-table width, prefix width, observations asked,
+the observed slots: region_graphs.signature) were captured before, and the
+first time such shapes show up among the last RECENT_KEYS steps the step
+runs eagerly; the second time it captures. Per decode step kind (the step
+log's own classification: eager, segment_capture, stack_capture, ...) this
+reports steps and seconds, and for each step that is not a replay which of
+the attention key's fields differ from the decode step before it (none: the
+second sighting of shapes first seen in an eager step, or a composition
+reaching its repeats). `what_if` replays the log's sequence of attention
+keys through a model of that rule (an LRU of MAX_SHAPES entries, captured
+at the second sighting within RECENT_KEYS steps, all dropped when the width
+changes): as logged, with the step's rows bucketed coarser, and with
+capture at first sight. The model covers the attention key only (not group
+segments nor the stack's composition repeats): its counts compare rules
+with each other, not with the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from kvsieve.policies import Need, get_policy
+from kvsieve.radix_ext import region_graphs
+from kvsieve.radix_ext.step_log import _kind
+
+#: Decode step kinds that replay what was captured before.
+REPLAYS = ("stack_replay", "segments_replay")
+KEY_FIELDS = ("padded", "width", "prefix", "observed_slots", "classes")
+
+
+def read_steps(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def attention_key(line: dict) -> dict:
+    """The fields of a decode step's attention key the log records; the
+    observations asked follow from the policy classes with a group."""
+    classes = tuple(sorted({name for name, _ in line.get("group_widths", ())}))
+    return {"padded": line["padded"], "width": line["width"], "prefix": line["prefix"],
+            "observed_slots": line["observed_slots"], "classes": classes}
+
+
+def needs_of(classes: tuple) -> tuple:
+    needs = later = Need.NONE
+    for name in classes:
+        policy = get_policy(name)
+        needs |= policy.needs
+        if not policy.observes_first_layer_only:
+            later |= policy.needs
+    return needs.value, later.value
+
+
+def two_per_doubling(rows: int) -> int:
+    """Rows up to 32 by 16, then two buckets per power of two (48, 64, 96, 128, 192, ...)."""
+    if rows <= 32:
+        return -(-rows // 16) * 16
+    step = 1 << ((rows - 1).bit_length() - 2)
+    return -(-rows // step) * step
+
+
+def power_of_two(rows: int) -> int:
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+BUCKETS = {"as logged": lambda rows: rows, "two per doubling": two_per_doubling, "power of two": power_of_two}
+
+
+def simulate(keys: list[dict], bucket, first_sight: bool) -> dict:
+    """Steps the model runs eagerly, captures and replays for this sequence of keys."""
+    cache: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+    recent: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+    width = None
+    counts = {"eager": 0, "capture": 0, "replay": 0, "extra_rows": 0}
+    for k in keys:
+        rows = bucket(k["padded"])
+        counts["extra_rows"] += rows - k["padded"]
+        key = (rows, k["width"], k["prefix"], k["observed_slots"], needs_of(k["classes"]))
+        if k["width"] != width:
+            cache.clear()
+            width = k["width"]
+        seen = key in recent
+        recent[key] = None
+        recent.move_to_end(key)
+        while len(recent) > region_graphs.RECENT_KEYS:
+            recent.popitem(last=False)
+        if key in cache:
+            cache.move_to_end(key)
+            counts["replay"] += 1
+        elif seen or first_sight:
+            cache[key] = None
+            counts["capture"] += 1
+            while len(cache) > region_graphs.MAX_SHAPES:
+                cache.popitem(last=False)
+        else:
+            counts["eager"] += 1
+    counts["mean_extra_rows"] = round(counts.pop("extra_rows") / max(1, len(keys)), 1)
+    return counts
+
+
+def churn(lines: list[dict]) -> dict:
+    decode = [x for x in lines if x.get("mode") == "decode" and "region" in x]
+    kinds: dict = {}
+    causes: dict = collections.defaultdict(collections.Counter)
+    previous = None
+    for line, after in zip(lines, lines[1:]):
+        if line.get("mode") != "decode" or "region" not in line:
+            continue
+        before, later = line.get("counters", {}), after.get("counters", {})
+        kind = _kind(line, {k: later.get(k, 0) - before.get(k, 0) for k in later})
+        entry = kinds.setdefault(kind, {"steps": 0, "s": 0.0})
+        entry["steps"] += 1
+        entry["s"] += after["t"] - line["t"]
+        key = attention_key(line)
+        if kind not in REPLAYS and previous is not None:
+            changed = [f for f in KEY_FIELDS if key[f] != previous[f]]
+            causes[kind][" + ".join(changed) or "none (second sighting or composition repeats)"] += 1
+        previous = key
+    total = sum(k["s"] for k in kinds.values())
+    for entry in kinds.values():
+        entry["share_of_decode_s"] = round(entry["s"] / total, 3) if total else None
+        entry["ms_per_step"] = round(1000 * entry["s"] / entry["steps"], 1)
+        entry["s"] = round(entry["s"], 3)
+    slow = [k for k in kinds if k not in REPLAYS]
+    keys = [attention_key(x) for x in decode]
+    return {
+        "decode_steps": len(decode),
+        "kinds": kinds,
+        "slow_steps": sum(kinds[k]["steps"] for k in slow),
+        "slow_share_of_decode_s": round(sum(kinds[k]["s"] for k in slow) / total, 3) if total else None,
+        "what_changed": {k: dict(v.most_common()) for k, v in causes.items()},
+        "what_if": {f"{name}, {'first' if first else 'second'} sight": simulate(keys, bucket, first)
+                    for name, bucket in BUCKETS.items() for first in (False, True)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("steps", help="a kvsieve step log (.jsonl, or .jsonl.gz)")
+    ap.add_argument("--out", default=None, help="write the result as JSON here")
+    args = ap.parse_args()
+    result = {"step_log": args.steps, **churn(read_steps(args.steps))}
+    print(f"{result['decode_steps']} decode steps; {result['slow_steps']} not replays, "
+          f"{100 * (result['slow_share_of_decode_s'] or 0):.0f}% of the decode seconds")
+    for kind, entry in sorted(result["kinds"].items(), key=lambda kv: -kv[1]["s"]):
+        print(f"  {kind:22s} {entry['steps']:6d} steps {entry['s']:8.2f} s {entry['ms_per_step']:7.1f} ms/step")
+    for kind, changed in result["what_changed"].items():
+        print(f"  {kind}: " + ", ".join(f"{n} {c}" for c, n in changed.items()))
+    print("  model of the attention key's rule (eager / capture / replay, mean extra rows):")
+    for rule, counts in result["what_if"].items():
+        print(f"    {rule:30s} {counts['eager']:5d} {counts['capture']:5d} {counts['replay']:6d} "
+              f"{counts['mean_extra_rows']:6.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print("->", args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

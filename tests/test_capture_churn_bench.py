@@ -1,0 +1,66 @@
+"""bench/capture_churn.py: the slow decode steps of a step log, what changed
+in each, and a model of the attention key's capture rule."""
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import capture_churn  # noqa: E402
+
+
+def step(t, padded, counters, width=24, prefix=128, classes=("h2o",), eager_groups=0):
+    return {"t": t, "mode": "decode", "bs": padded, "region": padded, "padded": padded, "width": width,
+            "prefix": prefix, "observed_slots": width * 16, "group_widths": [[c, width] for c in classes],
+            "counters": dict(counters), "eager_groups": eager_groups}
+
+
+def log():
+    c = {"captures": 0, "replays": 0, "group_captures": 0, "group_replays": 0, "forward_captures": 0,
+         "forward_replays": 0}
+    lines = []
+
+    def add(padded, **changes):
+        lines.append(step(len(lines) * 0.02, padded, c))
+        for k, v in changes.items():
+            c[k] += v
+    add(16, forward_replays=1)  # replays
+    add(32)  # new rows: eager (no counter moves)
+    add(32, captures=28)  # the second sighting captures its segments
+    add(32, forward_captures=1)  # then the stack
+    add(32, forward_replays=1)
+    add(32, forward_replays=1)
+    lines.append({"t": len(lines) * 0.02, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(c)})
+    return lines
+
+
+def test_slow_steps_are_classified_and_their_causes_named(tmp_path):
+    result = capture_churn.churn(log())
+    kinds = result["kinds"]
+    assert {k: v["steps"] for k, v in kinds.items()} == {"stack_replay": 3, "eager": 1, "segment_capture": 1,
+                                                         "stack_capture": 1}
+    assert result["slow_steps"] == 3 and 0.4 < result["slow_share_of_decode_s"] < 0.6
+    assert result["what_changed"]["eager"] == {"padded": 1}
+    assert result["what_changed"]["segment_capture"] == {"none (second sighting or composition repeats)": 1}
+    # The model: 16 then 32 rows; the second sighting of 32 captures, first sight would not run eagerly.
+    assert result["what_if"]["as logged, second sight"] == {"eager": 2, "capture": 1, "replay": 3,
+                                                           "mean_extra_rows": 0.0}
+    assert result["what_if"]["as logged, first sight"]["eager"] == 0
+    assert result["what_if"]["power of two, second sight"]["mean_extra_rows"] == 0.0  # 16 and 32 are powers of two
+    assert capture_churn.two_per_doubling(40) == 48 and capture_churn.two_per_doubling(100) == 128
+
+
+def test_the_script_reads_a_gzipped_log_and_writes_json(tmp_path):
+    path = tmp_path / "steps.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(x) for x in log()) + "\n")
+    out = tmp_path / "churn.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/capture_churn.py"), str(path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "6 decode steps; 3 not replays" in proc.stdout
+    assert json.loads(out.read_text())["decode_steps"] == 6
