@@ -11,6 +11,9 @@
 #                     build them with `pip wheel --no-deps <tree> -w .gpu-a/`)
 #   ROUNDS            rounds of A then B (default 2)
 #   RUN_S             seconds one run may take (default 110)
+#   COLD_S            more seconds for the call's first run (default 120): a
+#                     cold machine compiles its Triton kernels and captures
+#                     in it (2026-11-29: a first run of 150 s was cut)
 #   PROFILE_ARGS      the step_profile options after MODEL and OUT (default:
 #                     the ten-policy mixed batch alone, 128 rows, budget 256)
 #   MODEL, DEVICE     default bench/models/r1-distill-qwen-7b, cuda (DEVICE=cpu
@@ -23,6 +26,8 @@ WHEEL_A=${WHEEL_A:-$(ls .gpu-a/*.whl 2>/dev/null | head -1)}
 WHEEL_B=${WHEEL_B:-$(ls .gpu-b/*.whl 2>/dev/null | head -1)}
 ROUNDS=${ROUNDS:-2}
 RUN_S=${RUN_S:-110}
+COLD_S=${COLD_S:-120}
+first=1
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-bench/models/r1-distill-qwen-7b}
 MIX=full,h2o,rkv,streaming,snapkv,skipkv,thinkv,crystal_kv,longflow,crystalcache
@@ -46,7 +51,8 @@ for round in $(seq 1 "$ROUNDS"); do
         # Each build's own kvsieve first on the path (the log's first line names it).
         export PYTHONPATH=/tmp/site-$label${BASE:+:$BASE}
         python3 -c "import kvsieve.kernels as k; print('kvsieve from', k.__path__[0])" > "$dir/run.log" 2>&1
-        timeout "$RUN_S" python3 bench/step_profile.py "$MODEL" "$dir" $PROFILE_ARGS >> "$dir/run.log" 2>&1
+        limit=$(( RUN_S + first * COLD_S )); first=0
+        timeout "$limit" python3 bench/step_profile.py "$MODEL" "$dir" $PROFILE_ARGS >> "$dir/run.log" 2>&1
         echo "$label round $round: exit $? $(grep -ao '"tokens_per_s_unprofiled": [0-9.]*' "$dir/step-profile.json" 2>/dev/null | head -1)"
         pkill -9 -f "[m]ultiprocessing.spawn"; sleep 2
     done
