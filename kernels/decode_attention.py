@@ -545,9 +545,10 @@ def _observe_kernel(
 
 
 def default_splits(keys: int) -> int:
-    """Chunks per (row, kv head): about 512 keys each, at most 16 (chosen
-    from a sweep of 1-32 splits on an H100; bench/kernel_check.py compares
-    this default with 8 and 16 splits)."""
+    """The split count of the layout before row_splits (splits of a batch's
+    own keys: about 512 each, at most 16, from a sweep of 1-32 on an H100):
+    what `num_splits` reproduces it with, for A/B timings and the batch-
+    invariance test. decode_attention's default is row_splits."""
     return int(max(1, min(MAX_DEFAULT_SPLITS, triton.cdiv(max(keys, 1), KEYS_PER_SPLIT))))
 
 
