@@ -1,6 +1,8 @@
 """A decode step's host metadata before and after a change, from
 bench/step_meta_host.py's JSON files: host ms per step and the tensor
-operations it puts on the GPU, per row count, side by side.
+operations it puts on the GPU (all its operations, for runs on a CPU), per
+row count (and number of policy classes, for runs with --classes), side by
+side.
 
     python bench/plot_step_meta_host.py BEFORE.json AFTER.json OUT.png
 """
@@ -21,6 +23,11 @@ def label(result: dict, path: str) -> str:
     return f"{result.get('commit') or Path(path).stem}"
 
 
+def case_of(run: dict) -> tuple:
+    """(rows, policy classes or None): one bar pair each."""
+    return run["rows"], run.get("classes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("before")
@@ -28,18 +35,23 @@ def main() -> None:
     ap.add_argument("out")
     args = ap.parse_args()
     results = [(json.loads(Path(p).read_text()), p) for p in (args.before, args.after)]
-    rows = [run["rows"] for run in results[0][0]["runs"]]
+    cases = [case_of(run) for run in results[0][0]["runs"]]
+    on_gpu = any(run["gpu_ops_per_step"] for result, _ in results for run in result["runs"])
+    ops = "gpu_ops_per_step" if on_gpu else "ops_per_step"
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.38
     for k, (result, path) in enumerate(results):
-        by_rows = {run["rows"]: run for run in result["runs"]}
-        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        by_case = {case_of(run): run for run in result["runs"]}
+        xs = [i + (k - 0.5) * width for i in range(len(cases))]
         color = ("tab:gray", "tab:blue")[k]
-        left.bar(xs, [by_rows[r]["host_ms_median"] for r in rows], width, label=label(result, path), color=color)
-        right.bar(xs, [by_rows[r]["gpu_ops_per_step"] for r in rows], width, label=label(result, path), color=color)
-    for ax, title in ((left, "host ms per step (median)"), (right, "GPU operations per step")):
-        ax.set_xticks(range(len(rows)), [str(r) for r in rows])
-        ax.set_xlabel("rows (ten-policy mix)")
+        left.bar(xs, [by_case[c]["host_ms_median"] for c in cases], width, label=label(result, path), color=color)
+        right.bar(xs, [by_case[c][ops] for c in cases], width, label=label(result, path), color=color)
+    classes = any(c[1] is not None for c in cases)
+    ticks = [f"{r}\n{n} cl." if n is not None else str(r) for r, n in cases]
+    for ax, title in ((left, "host ms per step (median)"),
+                      (right, "GPU operations per step" if on_gpu else "tensor operations per step")):
+        ax.set_xticks(range(len(cases)), ticks)
+        ax.set_xlabel("rows, policy classes" if classes else "rows (ten-policy mix)")
         ax.set_title(title)
         ax.set_ylim(0, 1.3 * ax.get_ylim()[1])  # room for the legend above the bars
         ax.legend(loc="upper left", ncols=2)

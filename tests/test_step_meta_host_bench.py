@@ -53,3 +53,15 @@ def test_the_plot_of_two_runs_is_written(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_the_plot_of_class_sweeps_on_a_cpu_is_written(tmp_path):
+    # Runs with --classes on a CPU: bars per (rows, classes), all operations (no GPU ones).
+    out = tmp_path / "classes.png"
+    results = REPO / "bench/results"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/plot_step_meta_host.py"),
+                           str(results / "step-meta-host-cpu-4facf3d.json"),
+                           str(results / "step-meta-host-cpu-3adeb71.json"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
