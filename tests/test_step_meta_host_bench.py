@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 
 
@@ -44,24 +46,15 @@ def test_a_class_sweep_deals_the_same_rows_over_fewer_policies(tmp_path):
                           "--classes", "2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--classes" in bad.stderr
 
-def test_the_plot_of_two_runs_is_written(tmp_path):
+# Two H200 runs by row count (GPU operations), and two CPU class sweeps:
+# bars per (rows, classes), all operations (no GPU ones).
+@pytest.mark.parametrize("before,after", [("step-meta-host-h200-9410b3c.json", "step-meta-host-h200-1a940db.json"),
+                                          ("step-meta-host-cpu-4facf3d.json", "step-meta-host-cpu-3adeb71.json")])
+def test_the_plot_of_two_runs_is_written(tmp_path, before, after):
     out = tmp_path / "meta.png"
     results = REPO / "bench/results"
     proc = subprocess.run([sys.executable, str(REPO / "bench/plot_step_meta_host.py"),
-                           str(results / "step-meta-host-h200-9410b3c.json"),
-                           str(results / "step-meta-host-h200-1a940db.json"), str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-
-
-def test_the_plot_of_class_sweeps_on_a_cpu_is_written(tmp_path):
-    # Runs with --classes on a CPU: bars per (rows, classes), all operations (no GPU ones).
-    out = tmp_path / "classes.png"
-    results = REPO / "bench/results"
-    proc = subprocess.run([sys.executable, str(REPO / "bench/plot_step_meta_host.py"),
-                           str(results / "step-meta-host-cpu-4facf3d.json"),
-                           str(results / "step-meta-host-cpu-3adeb71.json"), str(out)],
+                           str(results / before), str(results / after), str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
