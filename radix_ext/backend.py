@@ -129,6 +129,8 @@ class KvsieveAttnBackend(AttentionBackend):
         #: (region_graphs.capturable): LongFlow's, ThinKV's and
         #: CrystalCache's have not been captured and checked on a multi-GPU host.
         self.graphs = RegionGraphs(rerun=region_graphs.mode() == "rerun") if region_graphs.enabled(self.device) else None
+        if self.graphs is not None:
+            self.graphs.first_sight = region_graphs.first_sight_enabled()
         #: The whole decoder stack of all-compressed decode steps, replayed on
         #: top of the region graphs' entries (KVSIEVE_FORWARD_GRAPHS=0 turns it off).
         #: Not under tensor parallelism: the model's own all-reduces would

@@ -28,10 +28,11 @@ changes nearly every step (bench/graph_buckets.py: 53 distinct whole-step
 shapes in 200 steps of eight policies at 640 rows, 2.5% of steps replayed
 when a step was captured whole) while each group's own shapes recur.
 
-Shapes seen for the first time run eagerly; a segment is captured the next
-time its key shows up among the recent ones: that step runs the segment
-eagerly for real on the static tensors, then captures it (capture records,
-it does not execute), so no step is applied twice. Decode steps' policy
+A segment is captured the first time its key shows up (first_sight; with
+KVSIEVE_CAPTURE_FIRST_SIGHT=0 the second time among the recent keys, the
+first sight running eagerly): that step runs the segment eagerly for real
+on the static tensors, then captures it (capture records, it does not
+execute), so no step is applied twice. Decode steps' policy
 groups are padded to bucketed row counts (step_meta.row_bucket,
 StepBuilder.pad_groups), so requests joining and ending mostly keep the shapes.
 Only policies marked `graph_safe` are captured (and the observing rows of
@@ -115,6 +116,18 @@ def mode() -> str:
     if value not in ("0", "1", "rerun"):
         raise ValueError(f"KVSIEVE_REGION_GRAPHS must be 0, 1 or rerun, not {value!r}")
     return value
+
+
+def first_sight_enabled() -> bool:
+    """KVSIEVE_CAPTURE_FIRST_SIGHT: "1" (default) captures an attention or
+    group segment the first time its shapes show up; "0" runs a shape's
+    first sighting eagerly and captures it when it comes back. Under traffic
+    most new shapes came back (bench/capture_churn.py: 70 of 93 on an H200),
+    so the eager step was paid on top of the capture."""
+    value = os.environ.get("KVSIEVE_CAPTURE_FIRST_SIGHT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVSIEVE_CAPTURE_FIRST_SIGHT must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def buckets_enabled() -> bool:
@@ -353,6 +366,9 @@ class RegionGraphs:
         #: Keys seen lately: a key is captured the second time it shows up among them.
         self.recent: "OrderedDict[tuple, None]" = OrderedDict()
         self.recent_groups: "OrderedDict[tuple, None]" = OrderedDict()
+        #: Capture a key at its first sighting instead of its second (set by
+        #: the backend: first_sight_enabled).
+        self.first_sight = False
         self.captures = 0  # attention segments (layer graphs)
         self.replays = 0
         self.group_captures = 0  # group segments (layer graphs)
@@ -395,7 +411,7 @@ class RegionGraphs:
         seen_before = self._seen(self.recent, key, RECENT_KEYS)
         entry = self.cache.get(key)
         if entry is None:
-            if not seen_before:
+            if not (seen_before or self.first_sight):
                 # Shapes change every step while requests join (prefills
                 # between decodes): capture only shapes seen before, lately.
                 return
@@ -457,7 +473,7 @@ class RegionGraphs:
         seen_before = self._seen(self.recent_groups, gkey, RECENT_GROUP_KEYS)
         entry = self.groups.get(gkey)
         if entry is None or entry.eager:
-            if entry is None and seen_before:
+            if entry is None and (seen_before or self.first_sight):
                 static, arena = self._static_group(group)
                 entry = self.groups[gkey] = _GroupEntry(group=static, arena=arena)
                 entry.generation = self.observations.generation

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvsieve.policies import get_policy
-from kvsieve.radix_ext.region_graphs import RegionGraphs, group_signature, group_tensors, signature, step_tensors
+from kvsieve.radix_ext.region_graphs import (
+    RegionGraphs, first_sight_enabled, group_signature, group_tensors, signature, step_tensors)
 
 from helpers.group_rows import replay_past_recorded_rows
 from test_step_meta import admit, decode_batch, runtime  # noqa: F401  (fixture)
@@ -55,6 +56,43 @@ def test_steps_of_the_same_shapes_share_one_entry_with_fresh_metadata(builder):
     for static, fresh in zip(group_tensors(gentry.group), group_tensors(group)):
         assert torch.equal(static, fresh) and static.data_ptr() != fresh.data_ptr()
         assert gentry.arena.data_ptr() <= static.data_ptr() < gentry.arena.data_ptr() + gentry.arena.numel()
+
+
+@pytest.mark.parametrize("env, first_sight", [(None, True), ("1", True), ("0", False)])
+def test_new_shapes_are_captured_at_first_sight_where_asked(builder, monkeypatch, env, first_sight):
+    """KVSIEVE_CAPTURE_FIRST_SIGHT (default 1): a step of new shapes gets its
+    attention and group entries at once (captured in that step) instead of
+    running eagerly until the shapes come back."""
+    if env is None:
+        monkeypatch.delenv("KVSIEVE_CAPTURE_FIRST_SIGHT", raising=False)
+    else:
+        monkeypatch.setenv("KVSIEVE_CAPTURE_FIRST_SIGHT", env)
+    assert first_sight_enabled() is first_sight
+    admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
+    admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
+    graphs = RegionGraphs()
+    graphs.first_sight = first_sight_enabled()
+    step = builder.build(decode_batch(["a", "b"], [3, 5], [8, 6]))
+    graphs.begin_step(step, needs_keys=False)
+    entries = [entry for _, entry in graphs.step_groups]
+    if first_sight:
+        assert graphs.current is not None and len(graphs.cache) == 1
+        assert len(entries) == 2 and all(e is not None for e in entries) and len(graphs.groups) == 2
+    else:
+        assert graphs.current is None and not graphs.cache and not graphs.groups and entries == []
+    # The old rule: the attention entry at the second step, the groups
+    # (looked at only in steps with one) at the third; first sight reuses its entries.
+    for seq, groups in ((9, 2 if first_sight else 0), (10, 2)):
+        graphs.begin_step(builder.build(decode_batch(["a", "b"], [3, 5], [seq, seq - 2])), needs_keys=False)
+        assert graphs.current is not None and len(graphs.cache) == 1 and len(graphs.groups) == groups
+    if first_sight:
+        assert [entry for _, entry in graphs.step_groups] == entries
+
+
+def test_a_bad_first_sight_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv("KVSIEVE_CAPTURE_FIRST_SIGHT", "yes")
+    with pytest.raises(ValueError, match="KVSIEVE_CAPTURE_FIRST_SIGHT"):
+        first_sight_enabled()
 
 
 def test_new_shapes_make_a_new_entry_and_an_unsafe_policy_runs_eagerly_between_segments(builder, monkeypatch):
