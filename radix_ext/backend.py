@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from kvsieve.kernels.attention_ref import attend_rows
 from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
+from kvsieve.kernels import region_store
 from kvsieve.policies import Need, Observations, SlotView
 
 from . import (faults, forward_graphs, head_parallel, layer0_probe, layer_blocks, logit_guard, memory_plan,
@@ -124,6 +125,9 @@ class KvsieveAttnBackend(AttentionBackend):
         if choice not in ("triton", "torch"):
             raise ValueError(f"KVSIEVE_DECODE_KERNEL must be 'triton' or 'torch', not {choice!r}")
         self.use_kernel = choice == "triton"
+        #: The new token's store in one Triton kernel a layer where the kernels run
+        #: (kernels/region_store.py; KVSIEVE_FUSED_STORE=0 keeps the PyTorch writes).
+        self.fused_store = self.use_kernel and region_store.enabled()
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
         #: Under tensor parallelism only for passes without a collective
         #: (region_graphs.capturable): LongFlow's, ThinKV's and
@@ -390,27 +394,14 @@ class KvsieveAttnBackend(AttentionBackend):
         return the observations the groups asked for."""
         rows, p = step.region, self.pages
         table = rows.tables[:, layer.layer_id]  # [R, H, M]
-        R, H, M = table.shape
-        P = p.config.page_size
         idx = rows.batch_index
         needs = rows.needs if layer.layer_id == 0 else rows.later_needs
         # 1. The new token goes to each (row, head)'s first free slot.
         with span("kvsieve.store"):
-            real = (table < p.null_page).unsqueeze(-1)  # full-precision pages (TBQ: the first column only)
-            free = (~p.valid[table] & real).reshape(R, H, M * P)
-            slot = free.int().argmax(dim=-1)  # [R, H]
-            RUNTIME.flag_overflow(rows.pool_rows, ~free.any(dim=-1).all(dim=-1))
-            page = table.gather(2, (slot // P).unsqueeze(-1)).squeeze(-1)
-            offset = slot % P
-            p.k[page, offset] = k3[idx].to(p.k.dtype)
-            p.v[page, offset] = v3[idx].to(p.v.dtype)
-            p.vnorm[page, offset] = v3[idx].float().abs().sum(-1)
-            # Padded rows (step_meta.StepBuilder.pad_groups) hold only the null page:
-            # what they store there must never be valid.
-            p.valid[page, offset] = page != p.null_page
-            p.position[page, offset] = rows.positions.unsqueeze(1)
-            p.score[page, offset] = p.const_zero
-            p.last_hit[page, offset] = p.const_zero_int
+            store = region_store.store_new_tokens if self.fused_store else region_store.store_new_tokens_reference
+            store(table, idx, rows.positions, rows.pool_rows, k3, v3, p.k, p.v, p.valid, p.vnorm, p.position,
+                  p.score, p.last_hit, RUNTIME.overflow_flags, p.null_page, zero=p.const_zero,
+                  zero_int=p.const_zero_int)
             if needs & Need.QUERIES:
                 self._keep_queries(q3[idx], rows, layer.layer_id)
         # 2. Attention over prefix + region, with the observations asked for.

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kvsieve.kernels import region_store
 from kvsieve.radix_ext.backend import KvsieveAttnBackend
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.runtime import RUNTIME
@@ -138,7 +139,8 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
     kernel = os.environ.get("KVSIEVE_DECODE_KERNEL", "triton" if device == "cuda" else "torch")
     backend.__dict__.update(inner=SimpleNamespace(), token_to_kv_pool=_Pool(req_to_token.numel(), shapes, dtype, device),
                             num_layers=L, device=device, pages=RUNTIME.region, step=None,
-                            use_kernel=kernel == "triton", steps=StepBuilder(RUNTIME.region, req_to_token, device),
+                            use_kernel=kernel == "triton", fused_store=kernel == "triton" and region_store.enabled(),
+                            steps=StepBuilder(RUNTIME.region, req_to_token, device),
                             graphs=graphs, step_log=None)
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):

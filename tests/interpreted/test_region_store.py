@@ -1,0 +1,63 @@
+"""The store of a decode step's new tokens (kernels/region_store.py) against
+its PyTorch form, bit for bit (|v|_1 to fp32 rounding), on CPU through Triton's interpreter: free
+slots found anywhere in a row, heads and rows with none free (overflow),
+quantized pages (ids past the null page) that never offer a slot, padded
+rows of only the null page, a narrower region dtype and strided K/V.
+
+Run by tests/test_triton_kernels.py in a process of its own with
+TRITON_INTERPRET=1."""
+
+import os
+
+import pytest
+import torch
+
+from helpers.region_store_case import region_case, run_store
+
+
+@pytest.fixture(scope="module")
+def store():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py"
+    from kvsieve.kernels import region_store
+
+    return region_store
+
+
+@pytest.mark.parametrize("R, H, M, P, D, padded, quantized, seed", [
+    (6, 4, 5, 16, 128, 0, 0, 0),
+    (5, 2, 23, 16, 64, 3, 0, 1),   # wider than one block of slots; padded rows
+    (4, 4, 6, 8, 96, 2, 4, 2),     # TBQ: only the first columns are full precision; D not a power of two
+])
+def test_the_kernel_writes_what_the_pytorch_store_writes(store, R, H, M, P, D, padded, quantized, seed):
+    case = region_case(R, H, M, P, D, seed, padded=padded, quantized_columns=quantized)
+    want = run_store(store.store_new_tokens_reference, case)
+    got = run_store(store.store_new_tokens, case)
+    null = case["null_page"]
+    for name in ("valid", "position", "score", "last_hit", "overflow_flags"):
+        assert torch.equal(got[name], want[name]), name
+    # Padded rows all write the null page's slot 0 (never valid): which row's
+    # K/V lands there last is a race in both forms, so the null page is left out.
+    for name in ("region_k", "region_v"):
+        assert torch.equal(got[name][:null], want[name][:null]), name
+    # |v|_1 in fp32, summed in another order: within a few units of the last place.
+    torch.testing.assert_close(got["vnorm"][:null], want["vnorm"][:null], rtol=1e-6, atol=0)
+    # The case is what it says: the writes moved something; rows 0 and 1
+    # overflowed (a head with no free slot is enough), row 2 did not.
+    assert not torch.equal(want["valid"], case["valid"])
+    flags = want["overflow_flags"]
+    assert flags[case["pool_rows"][0]] and flags[case["pool_rows"][1]] and not flags[case["pool_rows"][2]]
+
+
+def test_a_row_takes_the_lowest_free_slot_of_each_head(store):
+    case = region_case(3, 2, 4, 16, 32, seed=3)
+    table, valid = case["table"], case["valid"]
+    # Row 2, head 1: every slot taken but slot 5 of column 2 and slot 9 of column 3.
+    valid[table[2, 1]] = True
+    valid[table[2, 1, 2], 5] = False
+    valid[table[2, 1, 3], 9] = False
+    got = run_store(store.store_new_tokens, case)
+    page = table[2, 1, 2]
+    assert got["valid"][page, 5] and not got["valid"][table[2, 1, 3], 9]
+    assert got["position"][page, 5] == case["positions"][2]
+    assert torch.equal(got["region_k"][page, 5], case["k"][case["batch_index"][2], 1].to(torch.float16))
+    assert got["score"][page, 5] == 0 and got["last_hit"][page, 5] == 0
