@@ -3,7 +3,7 @@ one, and report registers and spill stack per thread (cuobjdump, shipped
 with Triton): a GPU-only compile error or a tile that spills shows before
 any device time is spent.
 
-    python bench/kernel_compile_check.py [--arch 90] [--decode-tbq [--variant old,new] [--sass]]
+    python bench/kernel_compile_check.py [--arch 90] [--decode-tbq [--variant old,new] [--sass]] [--store]
 
 Shapes: R1-Distill-Qwen-7B (G = 7, padded to 8) and Llama-3.1-8B (G = 4),
 head_dim 128, page 16, bf16; the tile configurations bench/kernel_check.py
@@ -13,7 +13,11 @@ variant (block = page 16, 4 and 8 warps) and the "new" one (blocks of 32
 and 64 slots of mixed formats, 4 and 8 warps). `--sass` adds, per
 kernel, the SASS instructions of each loop body (a backward branch's span
 in `cuobjdump -sass`: a static count, each instruction once, so a loop
-with branches inside counts every arm) and the global loads in it."""
+with branches inside counts every arm) and the global loads in it.
+`--store` compiles the store of a decode step's new tokens
+(kernels/region_store.py) at the 7B model's shapes, bf16 and fp16
+(tests/test_kernel_compile.py runs it: the interpreter does not type-check
+what the GPU compiler refuses)."""
 
 from __future__ import annotations
 
@@ -114,9 +118,26 @@ def decode_tbq(target, variants, sass: bool) -> None:
                       f"{usage(k)} shared {k.metadata.shared}" + (f" {sass_loops(k)}" if sass else ""), flush=True)
 
 
+def compile_store(target) -> list[str]:
+    """The region store kernel for `target`: one line per K/V dtype."""
+    from kvsieve.kernels import region_store as rs
+
+    lines = []
+    for dt in ("*bf16", "*fp16"):
+        ptrs = dict(Table="*i64", BatchIndex="*i64", Positions="*i64", PoolRows="*i64", K=dt, V=dt, RegK=dt, RegV=dt,
+                    Valid="*u8", VNorm="*fp32", Position="*i64", Score="*fp32", LastHit="*i32", Overflow="*u8")
+        ce = dict(H=4, PAGE=16, D=128, BLOCK_D=128, BLOCK_S=rs.BLOCK_SLOTS)
+        k = triton.compile(source(rs._store_kernel, ptrs, ce), target=target, options=dict(num_warps=4))
+        lines.append(f"store {dt[1:]}: {usage(k)} shared {k.metadata.shared}")
+    return lines
+
+
 def main() -> None:
     arch = int(sys.argv[sys.argv.index("--arch") + 1]) if "--arch" in sys.argv else 90
     target = GPUTarget("cuda", arch, 32)
+    if "--store" in sys.argv:
+        print("\n".join(compile_store(target)), flush=True)
+        return
     if "--decode-tbq" in sys.argv:
         variants = sys.argv[sys.argv.index("--variant") + 1].split(",") if "--variant" in sys.argv else \
             ["bf16", "old", "new"]

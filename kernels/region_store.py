@@ -67,9 +67,9 @@ def _store_kernel(Table, BatchIndex, Positions, PoolRows, K, V, RegK, RegV, Vali
         for start in range(0, slots, BLOCK_S):
             s = start + tl.arange(0, BLOCK_S)
             in_row = s < slots
-            page = tl.load(row_table + s // PAGE, mask=in_row, other=null_page).to(tl.int64)
-            real = in_row & (page < null_page)
-            taken = tl.load(Valid + page * PAGE + s % PAGE, mask=real, other=1)
+            block_pages = tl.load(row_table + s // PAGE, mask=in_row, other=null_page).to(tl.int64)
+            real = in_row & (block_pages < null_page)
+            taken = tl.load(Valid + block_pages * PAGE + s % PAGE, mask=real, other=1)
             free = real & (taken == 0)
             first = tl.minimum(first, tl.min(tl.where(free, s, slots), axis=0))
         found = first < slots
