@@ -327,8 +327,15 @@ def _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scal
     return m, l, acc
 
 
+#: Pointers to one value per row (prefix lengths, columns, observe bits):
+#: views into a step's shipped bytes (policies.observations.rows_to_device,
+#: radix_ext/byte_pack.py), so their 16-byte alignment follows the row count.
+#: Triton specializes pointers on that alignment: a new row count compiled
+#: another variant in the middle of serving (1.1 s a step, H200 traffic
+#: 2026-11-29). They are read one value a program, so nothing is lost.
 @triton.jit(do_not_specialize=["P_pad", "S", "keys_per_split", "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r",
-                               "spm_h", "sbm_r", "sbm_h"])
+                               "spm_h", "sbm_r", "sbm_h"],
+            do_not_specialize_on_alignment=["PrefixLen", "RowColumns"])
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table, RowColumns,
     PartO, PartM, PartL, Logits, BlockMax,
@@ -467,7 +474,8 @@ def _merge_kernel(
 
 
 @triton.jit(do_not_specialize=["P_pad", "S", "first_block", "sbm_r", "sbm_h", "svn_p", "st_r", "st_h", "sat_r",
-                               "sat_h", "observe_shift"])
+                               "sat_h", "observe_shift"],
+            do_not_specialize_on_alignment=["PrefixLen", "RowColumns", "RowObserve"])  # per-row views (_partial_kernel)
 def _observe_kernel(
     Logits, BlockMax, Lse, RowMax, RegV, VNorm, Table, Valid, Attention, PvNorm, Sparse, Seen, PrefixLen, RowColumns,
     RowObserve, P_pad, S, first_block, null_page, slg_r, slg_h, sbm_r, sbm_h, srv_p, srv_o, svn_p, sva_p, st_r, st_h,

@@ -84,7 +84,9 @@ def _online(qk, v, m, l, acc):
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "S", "spos_r", "sps_r", "st_r", "st_h", "sl_r"])  # the shapes' integers
+@triton.jit(do_not_specialize=["T", "S", "spos_r", "sps_r", "st_r", "st_h", "sl_r"],  # the shapes' integers
+            # views into a step's shipped bytes: alignment follows the row count (decode_attention._partial_kernel)
+            do_not_specialize_on_alignment=["Pos", "PrefixLen"])
 def _extend_kernel(
     Q, Pos, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Position, Table, Out, Lse,
     scale, T, S, null_page,
@@ -142,7 +144,8 @@ def _extend_kernel(
         tl.store(Lse + r * sl_r + t * sl_t + hq, m + tl.log(tl.maximum(l, 1e-30)), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["T", "S", "spos_r", "sob_r", "sl_r", "st_r", "st_h", "sat_r", "sat_h"])
+@triton.jit(do_not_specialize=["T", "S", "spos_r", "sob_r", "sl_r", "st_r", "st_h", "sat_r", "sat_h"],
+            do_not_specialize_on_alignment=["Pos", "Observe"])  # per-row views (_extend_kernel)
 def _observe_kernel(
     Q, Pos, Observe, Lse, RegK, Valid, Position, Table, Attention,
     scale, T, S, null_page,

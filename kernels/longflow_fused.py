@@ -200,7 +200,9 @@ def _min_argmin(score, slot, cand):
     return best, victim
 
 
-@triton.jit(do_not_specialize=["S", "sps_r", "st_r", "st_h", "sat_r", "sat_h"])  # the shapes' integers
+@triton.jit(do_not_specialize=["S", "sps_r", "st_r", "st_h", "sat_r", "sat_h"],  # the shapes' integers
+            # per-row views: alignment follows the row count (decode_attention._partial_kernel)
+            do_not_specialize_on_alignment=["PrefixLen", "Protect"])
 def _fused_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table, VNorm, Position, Protect,
     Out, Attention, PvNorm, Victim, MinScore,
@@ -285,7 +287,8 @@ def _fused_kernel(
         tl.store(MinScore + r, best)
 
 
-@triton.jit(do_not_specialize=["S", "spv_r", "spv_h", "sva_r", "spo_r"])  # the shapes' integers
+@triton.jit(do_not_specialize=["S", "spv_r", "spv_h", "sva_r", "spo_r"],  # the shapes' integers
+            do_not_specialize_on_alignment=["Protect"])  # a per-row view (decode_attention._partial_kernel)
 def _select_kernel(PvNorm, Valid, Position, Protect, Victim, MinScore, H, S,
                    spv_r, spv_h, sva_r, spo_r,
                    CHUNK: tl.constexpr, CHUNKS: tl.constexpr):

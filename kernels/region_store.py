@@ -49,7 +49,9 @@ def enabled() -> bool:
     return value == "1"
 
 
-@triton.jit(do_not_specialize=["M", "st_r", "st_h", "sk_b", "sk_h", "sv_b", "sv_h"])  # the shapes' integers
+@triton.jit(do_not_specialize=["M", "st_r", "st_h", "sk_b", "sk_h", "sv_b", "sv_h"],  # the shapes' integers
+            # per-row views into the step's shipped bytes (decode_attention._partial_kernel)
+            do_not_specialize_on_alignment=["BatchIndex", "Positions", "PoolRows"])
 def _store_kernel(Table, BatchIndex, Positions, PoolRows, K, V, RegK, RegV, Valid, VNorm, Position, Score, LastHit,
                   Overflow, M, null_page, st_r, st_h, sk_b, sk_h, sv_b, sv_h,
                   H: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -270,31 +270,31 @@ def test_api_and_metrics_per_replica(ray_service):
     assert metric_samples(text, "kvsieve_store_up")[0].value == 1
 
 
-def generating(procs: list[psutil.Process], deadline: float, busy: float = 0.2) -> psutil.Process:
+def generating(procs: list[psutil.Process], deadline: float, in_flight=lambda: True,
+               busy: float = 0.2) -> psutil.Process | None:
     """The first process whose tree uses more than `busy` CPU seconds per
-    second (a replica with streams in flight), the busiest of a 1 s window."""
+    second (a replica with streams in flight), the busiest of a 1 s window;
+    None once `in_flight()` says the load has ended."""
     while True:
         before = [tree_cpu_seconds(p) for p in procs]
         time.sleep(1.0)
         used = [tree_cpu_seconds(p) - b for p, b in zip(procs, before)]
         if max(used) > busy:
             return procs[used.index(max(used))]
+        if not in_flight():
+            return None
         assert time.monotonic() < deadline, f"no engine replica is generating (CPU s/s: {used})"
 
 
-def test_replica_killed_mid_load(ray_service):
-    s = ray_service
-    # Long enough that both replicas are still generating when one is killed:
-    # 500 tokens were not (CI, 2 cores: one replica's 3 streams had ended
-    # 5.7 s in, before the slowest of the other's 9 had sent its second chunk),
-    # and 1,200 were not either once (CI, 2026-11-29: the first chunks came in
-    # bursts; at the kill the client had 707-1,152 chunks of each stream and
-    # the killed replica had finished its streams, so none failed).
+def _load_and_pick_victim(s: RayService, max_tokens: int):
+    """Twelve streams of `max_tokens`; once each has its first chunk (or one
+    has ended), the replica that is generating. (outs, threads, victim):
+    victim None when every stream ended before a replica was seen busy."""
     # A prompt per stream: prefix routing sends one prompt to one preferred
     # replica (rendezvous hashing), so a shared prompt put every stream on one
     # replica whenever Serve's cached queue lengths lagged; 12 distinct
     # prompts all prefer the same replica with probability 2 / 2^12.
-    bodies = [{"prompt": f"wait let me verify step {i} of the proof", "max_tokens": 2400, "ignore_eos": True}
+    bodies = [{"prompt": f"wait let me verify step {i} of the proof", "max_tokens": max_tokens, "ignore_eos": True}
               for i in range(12)]
     outs = [{} for _ in bodies]
     threads = [threading.Thread(target=_stream, args=(s, b, o)) for b, o in zip(bodies, outs)]
@@ -314,7 +314,28 @@ def test_replica_killed_mid_load(ray_service):
         time.sleep(0.2)
     victims = engine_replica_procs(psutil.Process(s.proc.pid))
     assert len(victims) == 2
-    victim = generating(victims, time.monotonic() + 300)
+    victim = generating(victims, time.monotonic() + 300, in_flight=lambda: any(t.is_alive() for t in threads))
+    return outs, threads, victim
+
+
+def test_replica_killed_mid_load(ray_service):
+    s = ray_service
+    # Long enough that both replicas are still generating when one is killed:
+    # 500 tokens were not (CI, 2 cores: one replica's 3 streams had ended
+    # 5.7 s in, before the slowest of the other's 9 had sent its second chunk),
+    # and 1,200 were not either once (CI, 2026-11-29: the first chunks came in
+    # bursts; at the kill the client had 707-1,152 chunks of each stream and
+    # the killed replica had finished its streams, so none failed). Once (CI,
+    # 2026-11-29) even 2,400 ended before a replica was seen busy: then the
+    # round is run again with longer streams.
+    for max_tokens in (2400, 4800, LONG_TOKENS - 400):
+        outs, threads, victim = _load_and_pick_victim(s, max_tokens)
+        if victim is not None:
+            break
+        for t in threads:
+            t.join(timeout=300)
+        print(f"streams of {max_tokens} tokens ended before a replica was seen generating; longer ones next")
+    assert victim is not None, "every round's streams ended before a replica was seen generating"
     victim.kill()  # SIGKILL: no drain, no goodbye
     print("streams ended before the kill:", sum(o["finish"] is not None for o in outs),
           "chunks at the kill:", [o.get("chunks") for o in outs])
