@@ -8,7 +8,7 @@ import torch
 
 from kvsieve.kernels import region_store
 
-from helpers.region_store_case import region_case, run_store
+from helpers.region_store_case import assert_kernel_writes_what_the_reference_writes, region_case
 
 
 @pytest.mark.parametrize("R, H, M, P, D, padded, quantized, dtype", [
@@ -20,12 +20,4 @@ from helpers.region_store_case import region_case, run_store
 def test_the_compiled_kernel_writes_what_the_pytorch_store_writes(R, H, M, P, D, padded, quantized, dtype):
     case = region_case(R, H, M, P, D, seed=R, padded=padded, quantized_columns=quantized, region_dtype=dtype,
                        device="cuda")
-    want = run_store(region_store.store_new_tokens_reference, case)
-    got = run_store(region_store.store_new_tokens, case)
-    null = case["null_page"]
-    for name in ("valid", "position", "score", "last_hit", "overflow_flags"):
-        assert torch.equal(got[name], want[name]), name
-    for name in ("region_k", "region_v"):
-        assert torch.equal(got[name][:null], want[name][:null]), name
-    torch.testing.assert_close(got["vnorm"][:null], want["vnorm"][:null], rtol=1e-6, atol=0)
-    assert not torch.equal(want["valid"], case["valid"])
+    assert_kernel_writes_what_the_reference_writes(region_store, case)
