@@ -20,7 +20,10 @@ at the second sighting within RECENT_KEYS steps, all dropped when the width
 changes): as logged, with the step's rows bucketed coarser, and with
 capture at first sight. The model covers the attention key only (not group
 segments nor the stack's composition repeats): its counts compare rules
-with each other, not with the engine's.
+with each other, not with the engine's. `compiles` lists the Triton
+compiles the log recorded past its first decode step that took at least
+SLOW_COMPILE_S (the rest are loads from Triton's cache): each is a step of
+a second or so in the middle of serving.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from kvsieve.radix_ext.step_log import _kind
 #: Decode step kinds that replay what was captured before.
 REPLAYS = ("stack_replay", "segments_replay")
 KEY_FIELDS = ("padded", "width", "prefix", "observed_slots", "classes")
+#: A compile entry this long compiled; shorter ones loaded a cached kernel (~1-10 ms).
+SLOW_COMPILE_S = 0.05
 
 
 def read_steps(path: str) -> list[dict]:
@@ -112,6 +117,15 @@ def simulate(keys: list[dict], bucket, first_sight: bool) -> dict:
     return counts
 
 
+def compiles_while_serving(lines: list[dict]) -> list[dict]:
+    """Compiles of SLOW_COMPILE_S or more recorded at or after the first
+    decode step: (step index, mode, rows, kernel, seconds)."""
+    first = next((i for i, x in enumerate(lines) if x.get("mode") == "decode"), len(lines))
+    return [{"step": i, "mode": x.get("mode"), "bs": x.get("bs"), "kernel": c["kernel"], "s": c["s"]}
+            for i, x in enumerate(lines[first:], start=first) for c in x.get("compiles", ())
+            if c.get("s", 0) >= SLOW_COMPILE_S]
+
+
 def churn(lines: list[dict]) -> dict:
     decode = [x for x in lines if x.get("mode") == "decode" and "region" in x]
     kinds: dict = {}
@@ -145,6 +159,7 @@ def churn(lines: list[dict]) -> dict:
         "what_changed": {k: dict(v.most_common()) for k, v in causes.items()},
         "what_if": {f"{name}, {'first' if first else 'second'} sight": simulate(keys, bucket, first)
                     for name, bucket in BUCKETS.items() for first in (False, True)},
+        "compiles": compiles_while_serving(lines),
     }
 
 
@@ -164,6 +179,9 @@ def main() -> None:
     for rule, counts in result["what_if"].items():
         print(f"    {rule:30s} {counts['eager']:5d} {counts['capture']:5d} {counts['replay']:6d} "
               f"{counts['mean_extra_rows']:6.1f}")
+    slow = result["compiles"]
+    print(f"  compiles while serving (>= {SLOW_COMPILE_S} s): {len(slow)}"
+          + "".join(f"\n    step {c['step']} ({c['mode']}, {c['bs']} rows): {c['kernel']} {c['s']:.2f} s" for c in slow))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print("->", args.out)
