@@ -6,8 +6,11 @@
 # and the wheel installed into /tmp/site2; writes under $OUT.
 set -u
 OUT=${OUT:-./gate-out}
+KVDEPS=$([ -d /tmp/kvdeps ] && echo /tmp/kvdeps)
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+# /tmp/kvdeps: pydantic-settings where the call installed .kvdeps there (thinkv's
+# calibration store; without it thinkv runs on its fallback layers and thresholds).
+export PYTHONPATH=/tmp/site2${KVDEPS:+:$KVDEPS}:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 TRACE="--engines kvsieve --rates 12 --duration 20 --gen-min 128 --gen-max 4096 --budget 256 --kv-tokens 196608 --pool-share 0.6 --rate-timeout 30"
 # The gate first: a cold machine spends ~90 s compiling Triton kernels in its
