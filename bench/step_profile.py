@@ -334,6 +334,23 @@ def gap_causes(events: list, gpu: list, gaps: list, steps: int) -> dict:
                                     for name, d in sorted(blocking.items(), key=lambda kv: -sum(kv[1]))[:8]}}
 
 
+#: Kernel durations (us) the summary counts kernels under: in a replayed
+#: graph a kernel of a few microseconds is mostly its launch's fixed cost.
+SIZE_BOUNDS_US = (5.0, 10.0, 50.0)
+
+
+def kernel_sizes(durations_us: list, steps: int) -> dict:
+    """Kernels per step, and per step how many took at most each bound of
+    SIZE_BOUNDS_US and the GPU ms they took together (many tiny kernels:
+    launch-bound work that fusing would cut)."""
+    out = {"kernels_per_step": round(len(durations_us) / steps, 1)}
+    for bound in SIZE_BOUNDS_US:
+        small = [d for d in durations_us if d <= bound]
+        out[f"under_{bound:g}us"] = {"per_step": round(len(small) / steps, 1),
+                                     "ms_per_step": round(sum(small) / 1000 / steps, 4)}
+    return out
+
+
 def summarize(trace_path: str, steps: int) -> dict:
     events = json.load(gzip.open(trace_path))["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -381,7 +398,8 @@ def summarize(trace_path: str, steps: int) -> dict:
             "longest_gaps": in_gaps,
             "gap_causes": gap_causes(events, gpu, idle_gaps(intervals, 5.0), steps),
             "kernels": [{"name": n, "total_ms": round(t / 1000, 3), "per_step_ms": round(t / 1000 / steps, 3), "count": c}
-                        for n, t, c in kernels[:40]],
+                        for n, t, c in kernels[:80]],
+            "kernel_sizes": kernel_sizes([e["dur"] for e in gpu if e.get("cat") == "kernel"], steps),
             "host_top_level": [{"name": n, "total_ms": round(t / 1000, 3), "count": c} for n, t, c in host_ops[:40]],
             "python_inclusive": [{"name": n, "per_step_ms": round(t / 1000 / steps, 3), "count": c}
                                  for n, t, c in python_functions[:80]]}

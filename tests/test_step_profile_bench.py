@@ -142,3 +142,11 @@ def test_gaps_are_told_apart_by_when_their_next_operation_was_launched(tmp_path)
                                                    "launched_before: cudaGraphLaunch": 0.2}
     assert causes["gap_ms_per_step_by_next_op"] == {"k3": 0.6, "k2": 0.2}
     assert causes["host_blocking_calls"] == {"cudaStreamSynchronize": {"per_step_ms": 0.4, "count": 1}}
+
+
+def test_kernel_sizes_count_the_tiny_kernels_per_step():
+    sizes = step_profile.kernel_sizes([2.0, 4.0, 8.0, 40.0, 400.0, 3.0], steps=2)
+    assert sizes["kernels_per_step"] == 3.0
+    assert sizes["under_5us"] == {"per_step": 1.5, "ms_per_step": 0.0045}
+    assert sizes["under_10us"] == {"per_step": 2.0, "ms_per_step": 0.0085}
+    assert sizes["under_50us"] == {"per_step": 2.5, "ms_per_step": 0.0285}
