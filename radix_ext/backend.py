@@ -135,6 +135,7 @@ class KvsieveAttnBackend(AttentionBackend):
         self.graphs = RegionGraphs(rerun=region_graphs.mode() == "rerun") if region_graphs.enabled(self.device) else None
         if self.graphs is not None:
             self.graphs.first_sight = region_graphs.first_sight_enabled()
+            self.graphs.observations.num_layers = pool.layer_num  # one buffer a kind for every layer
         #: The whole decoder stack of all-compressed decode steps, replayed on
         #: top of the region graphs' entries (KVSIEVE_FORWARD_GRAPHS=0 turns it off).
         #: Not under tensor parallelism: the model's own all-reduces would
@@ -483,7 +484,7 @@ class KvsieveAttnBackend(AttentionBackend):
         stacked = group.over_layers([layer.layer_id for layer in run])
         slots = group.width * self.pages.config.page_size
         table = layer_blocks.stacked_table(self.pages.table, group.pool_rows, first, len(run), group.width)
-        parts = layer_blocks.stack_observations([observed_rows(group.policy, o, group.rows, slots) for o in obs])
+        parts = layer_blocks.observed_block(group.policy, obs, group.rows, slots)
         try:
             self._call_policy(stacked, run[0], table, parts, prefill=False)
         except Exception as exc:  # noqa: BLE001 - policy code: its fault stays with its requests

@@ -86,13 +86,51 @@ def repeat_rows(t: torch.Tensor, k: int) -> torch.Tensor:
     return t.repeat(k, *([1] * (t.dim() - 1)))
 
 
-def stack_observations(parts: list):
-    """The Observations of each layer's group rows as those of the stacked rows."""
-    from kvsieve.policies import Observations
+def layer_run(tensors: list) -> Optional[torch.Tensor]:
+    """Per-layer tensors of consecutive layers as one [k, ...] view, where
+    they are consecutive equal blocks of one buffer (the deferred
+    observations: region_graphs.ObservationBuffers with num_layers), else
+    None. Host-side pointer checks only."""
+    first = tensors[0]
+    if first is None or not first.is_contiguous():
+        return None
+    size = first.numel() * first.element_size()
+    base, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (t is None or t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.data_ptr() != base + i * size or t.untyped_storage().data_ptr() != storage):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()))
 
-    return Observations(attention=stack_rows([o.attention for o in parts]),
-                        pv_norm=stack_rows([o.pv_norm for o in parts]),
-                        sparsity=stack_rows([o.sparsity for o in parts]))
+
+def observed_block(policy, obs: list, rows: torch.Tensor, slots: Optional[int]):
+    """What backend.observed_rows gives for each layer of `obs`, stacked
+    (layer-major, as stack_rows stacks them): one gather of the block where the
+    layers' observations are blocks of one buffer, else one a layer and a
+    cat (a mixed batch's groups made ~160 such gathers a step)."""
+    from kvsieve.policies import Need, Observations
+
+    from .backend import observed_rows
+
+    cut = slice(None) if slots is None else slice(0, slots)
+    needs = policy.needs
+
+    def kind(name: str, need, per_slot: bool) -> Optional[torch.Tensor]:
+        tensors = [getattr(o, name) for o in obs]
+        if tensors[0] is None or not needs & need:
+            return None
+        run = layer_run(tensors)
+        if run is None:
+            return _per_layer(name)
+        picked = run[:, rows, :, cut] if per_slot else run[:, rows]
+        return picked.reshape(-1, *picked.shape[2:])
+
+    def _per_layer(name: str) -> torch.Tensor:
+        return stack_rows([getattr(observed_rows(policy, o, rows, slots), name) for o in obs])
+
+    return Observations(attention=kind("attention", Need.ATTENTION, True),
+                        pv_norm=kind("pv_norm", Need.PV_NORM, True),
+                        sparsity=kind("sparsity", Need.SPARSITY, False))
 
 
 def stacked_table(table: torch.Tensor, pool_rows: torch.Tensor, first: int, count: int, width: int) -> torch.Tensor:

@@ -244,9 +244,14 @@ class ObservationBuffers:
     `generation` changes: every captured segment that wrote or read the old
     one is recaptured."""
 
-    def __init__(self):
+    def __init__(self, num_layers: Optional[int] = None):
         self.flat: dict[tuple, torch.Tensor] = {}
         self.generation = 0
+        #: The model's layers (set by the backend): the per-layer views of a
+        #: kind are then layer-major blocks of ONE buffer, so a group's
+        #: stacked pass gathers a block of layers in one index
+        #: (layer_blocks.observed_block) instead of one per layer and a cat.
+        self.num_layers = num_layers
 
     def view(self, kind: str, like: torch.Tensor, layer: Optional[int] = None) -> torch.Tensor:
         """The static view of `kind` for tensors like `like`: one per layer
@@ -254,13 +259,17 @@ class ObservationBuffers:
         observations wait there until then), else one for every layer."""
         rows = deferred_rows(like.shape[0]) if layer is not None else max(64, 1 << (like.shape[0] - 1).bit_length())
         shape = (rows, *like.shape[1:])
-        need = math.prod(shape)
-        flat = self.flat.get((kind, layer))
+        layered = layer is not None and self.num_layers is not None and layer < self.num_layers
+        # Every layer of a step asks for the same shape, so layer `layer`'s
+        # view is block `layer` of [num_layers, *shape].
+        key, count = ((kind, "layers"), self.num_layers) if layered else ((kind, layer), 1)
+        need = count * math.prod(shape)
+        flat = self.flat.get(key)
         if flat is None or flat.numel() < need or flat.dtype != like.dtype or flat.device != like.device:
             grown = max(need, 2 * flat.numel()) if flat is not None and flat.dtype == like.dtype else need
-            self.flat[(kind, layer)] = flat = torch.zeros(grown, dtype=like.dtype, device=like.device)
+            self.flat[key] = flat = torch.zeros(grown, dtype=like.dtype, device=like.device)
             self.generation += 1
-        return flat[:need].view(shape)
+        return flat[:need].view(count, *shape)[layer] if layered else flat[:need].view(shape)
 
     def store(self, obs, layer: Optional[int] = None, slots: Optional[int] = None):
         """Copy `obs` into the static views (of `layer`: view); the

@@ -230,3 +230,39 @@ def test_crystal_kv_and_thinkv_record_their_per_layer_state_the_same_stacked(mon
     assert_same_sparsity(sparsity_one, sparsity_stacked)
     recorded = ~sparsity_stacked[1:5].isnan()
     assert recorded[:, [1, 3]].all() and not recorded[:, [0, 2]].any()
+
+
+def test_a_block_of_layers_observations_is_gathered_in_one_index():
+    # The deferred observations of every layer are blocks of one buffer
+    # (ObservationBuffers with num_layers): a stacked pass's rows of k
+    # layers are one gather of that buffer, equal to a gather a layer and a cat.
+    from kvsieve.policies import Observations
+    from kvsieve.radix_ext.backend import observed_rows
+    from kvsieve.radix_ext.region_graphs import ObservationBuffers
+
+    gen = torch.Generator().manual_seed(0)
+    buffers = ObservationBuffers(num_layers=6)
+    obs = [buffers.store(Observations(attention=torch.rand(20, 2, 48, generator=gen),
+                                      pv_norm=torch.rand(20, 2, 48, generator=gen),
+                                      sparsity=torch.rand(20, 2, generator=gen)), layer, slots=40)
+           for layer in range(6)]
+    assert buffers.generation == 3  # one buffer a kind, not one a kind and layer
+    block = obs[1:5]
+    assert layer_blocks.layer_run([o.attention for o in block]) is not None
+    assert layer_blocks.layer_run([obs[0].attention, obs[2].attention]) is None  # not consecutive
+    rows = torch.tensor([7, 0, 19, 3])
+    for name in ("h2o", "rkv", "thinkv", "crystal_kv", "longflow"):
+        policy = get_policy(name)
+        got = layer_blocks.observed_block(policy, block, rows, 32)
+        per_layer = [observed_rows(policy, o, rows, 32) for o in block]
+        for kind in ("attention", "pv_norm", "sparsity"):
+            want = [getattr(p, kind) for p in per_layer]
+            want = None if want[0] is None else torch.cat(want)
+            have = getattr(got, kind)
+            assert (have is None) == (want is None), (name, kind)
+            if want is not None:
+                assert torch.equal(have, want), (name, kind)
+    # Views that are not blocks of one buffer take the per-layer gathers.
+    loose = [Observations(attention=o.attention.clone(), pv_norm=None, sparsity=None) for o in block]
+    got = layer_blocks.observed_block(get_policy("h2o"), loose, rows, 32)
+    assert torch.equal(got.attention, torch.cat([o.attention[rows, :, :32] for o in loose]))

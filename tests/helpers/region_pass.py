@@ -142,6 +142,8 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
                             use_kernel=kernel == "triton", fused_store=kernel == "triton" and region_store.enabled(),
                             steps=StepBuilder(RUNTIME.region, req_to_token, device),
                             graphs=graphs, step_log=None)
+    if graphs is not None:
+        graphs.observations.num_layers = L  # as the backend sets it: one buffer a kind for every layer
     rids = [f"r{i}" for i in range(rows)]
     for i, rid in enumerate(rids):
         name = policy.split("+")[i % len(policy.split("+"))]
