@@ -478,6 +478,8 @@ class StepBuilder:
         #: The longest `full` row a step folds (memory_plan.fold_max_tokens:
         #: its prefix table is planned at start for this width).
         self.fold_max_tokens = 0
+        #: Policy class -> (its rows' params, their batch_params) of its last group (_batch_params).
+        self._params_held: dict = {}
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
@@ -496,7 +498,7 @@ class StepBuilder:
                 # A fault here ends this class's requests; their rows still
                 # store and attend this step (outputs unused), in no group.
                 with faults.guard("step_inputs", policy.name, members_requests):
-                    params, maxima = cls.batch_params([requests[r].params for r in members], HOST)
+                    params, maxima = self._batch_params(cls, [requests[r].params for r in members])
                     # StepRows only for a policy that reads them (hundreds per step).
                     step_rows = [StepRow(requests[r].state, steps[r], pool_rows[r], budgets[r], prefill,
                                          requests[r].private_seen) for r in members] if reads_step_rows(cls) else []
@@ -513,6 +515,16 @@ class StepBuilder:
                 inputs=inputs, pool_rows=pool_rows_t, max_rows=max_rows, members=members, requests=members_requests)
             groups += self._split_by_decision(group, due)
         return groups
+
+    def _batch_params(self, cls: type, rows: list) -> tuple[dict, dict]:
+        """cls.batch_params of `rows` on the host, reused while a class's
+        rows are the very parameter objects of its last step (PolicyParams
+        are frozen): in a steady batch, every step but the first. Fresh
+        dicts each time, as their holders replace entries (_ship)."""
+        held = self._params_held.get(cls)
+        if held is None or len(held[0]) != len(rows) or any(a is not b for a, b in zip(held[0], rows)):
+            held = self._params_held[cls] = (rows, *cls.batch_params(rows, HOST))
+        return dict(held[1]), dict(held[2])
 
     @staticmethod
     def _split_by_decision(group: PolicyGroup, due: Optional[list[bool]]) -> list[PolicyGroup]:

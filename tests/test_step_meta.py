@@ -346,3 +346,26 @@ def test_a_groups_lists_and_parameters_go_to_the_device_in_one_transfer_each(run
     assert [groups["rkv"].rows.tolist(), groups["rkv"].budget.tolist(), groups["rkv"].pool_rows.tolist()] == [
         [2], [8], [5]]
     assert (4 * 2, torch.int64) in calls and (4 * 1, torch.int64) in calls, calls  # each group's four lists at once
+
+
+def test_a_classes_parameters_are_built_once_while_its_rows_are_the_same(runtime, monkeypatch):
+    cls = get_policy("rkv")
+    calls = []
+    real = cls.batch_params.__func__
+
+    def counted(klass, rows, device="cpu"):
+        calls.append(len(rows))
+        return real(klass, rows, device)
+
+    monkeypatch.setattr(cls, "batch_params", classmethod(counted))
+    a, b, c = (cls.Params(window=w) for w in (8, 16, 32))
+    first, _ = runtime._batch_params(cls, [a, b])
+    again, maxima = runtime._batch_params(cls, [a, b])
+    assert calls == [2]  # the same parameter objects: reused
+    assert all(torch.equal(first[k], again[k]) for k in first) and maxima["window"] == 16
+    again["window"] = None  # a holder replacing an entry does not reach the next step's dict
+    assert runtime._batch_params(cls, [a, b])[0]["window"].tolist() == [8, 16]
+    other, maxima = runtime._batch_params(cls, [a, c])  # a row changed: built anew
+    assert calls == [2, 2] and other["window"].tolist() == [8, 32] and maxima["window"] == 32
+    runtime._batch_params(cls, [a])
+    assert calls == [2, 2, 1]
