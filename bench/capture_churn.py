@@ -121,7 +121,8 @@ def compiles_while_serving(lines: list[dict]) -> list[dict]:
     """Compiles of SLOW_COMPILE_S or more recorded at or after the first
     decode step: (step index, mode, rows, kernel, seconds)."""
     first = next((i for i, x in enumerate(lines) if x.get("mode") == "decode"), len(lines))
-    return [{"step": i, "mode": x.get("mode"), "bs": x.get("bs"), "kernel": c["kernel"], "s": c["s"]}
+    return [{"step": i, "mode": x.get("mode"), "bs": x.get("bs"), "kernel": c["kernel"], "s": c["s"],
+             **({"key": c["key"]} if "key" in c else {})}
             for i, x in enumerate(lines[first:], start=first) for c in x.get("compiles", ())
             if c.get("s", 0) >= SLOW_COMPILE_S]
 

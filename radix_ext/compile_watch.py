@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import time
 
+#: Characters of a compile's specialization key kept in the step log.
+KEY_CHARS = 1000
+
 
 class CompileWatch:
     def __init__(self):
@@ -33,7 +36,10 @@ class CompileWatch:
         def on_end(**kwargs):
             name = self._name(kwargs)
             t0 = self.started.pop(name, None)
-            self.done.append({"kernel": name[0], "s": round(time.perf_counter() - t0, 3) if t0 else None})
+            # The key names the variant (argument types, which pointers and
+            # integers were specialized, constexprs): what made it new.
+            self.done.append({"kernel": name[0], "s": round(time.perf_counter() - t0, 3) if t0 else None,
+                              "key": name[1][:KEY_CHARS]})
             return after(**kwargs) if after else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_start, on_end

@@ -34,7 +34,7 @@ def log():
     add(32, forward_captures=1)  # then the stack
     add(32, forward_replays=1)
     add(32, forward_replays=1)
-    lines[-1]["compiles"] = [{"kernel": "_observe_kernel", "s": 1.1}, {"kernel": "_merge_kernel", "s": 0.002}]
+    lines[-1]["compiles"] = [{"kernel": "_observe_kernel", "s": 1.1, "key": "k"}, {"kernel": "_merge_kernel", "s": 0.002}]
     lines.insert(0, {"t": -0.02, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(lines[0]["counters"]),
                      "compiles": [{"kernel": "_extend_kernel", "s": 2.0}]})  # warm-up, before any decode
     lines.append({"t": len(lines) * 0.02, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(c)})
@@ -55,7 +55,8 @@ def test_slow_steps_are_classified_and_their_causes_named(tmp_path):
     assert result["what_if"]["as logged, first sight"]["eager"] == 0
     assert result["what_if"]["power of two, second sight"]["mean_extra_rows"] == 0.0  # 16 and 32 are powers of two
     # Only the compile that took long, past the first decode step (the warm-up's and cache loads are not listed).
-    assert result["compiles"] == [{"step": 6, "mode": "decode", "bs": 32, "kernel": "_observe_kernel", "s": 1.1}]
+    assert result["compiles"] == [{"step": 6, "mode": "decode", "bs": 32, "kernel": "_observe_kernel", "s": 1.1,
+                                   "key": "k"}]
     assert capture_churn.two_per_doubling(40) == 48 and capture_churn.two_per_doubling(100) == 128
 
 

@@ -145,6 +145,7 @@ def test_a_forward_names_the_triton_kernels_compiled_in_it(tmp_path, monkeypatch
     log.close()
     first, second = step_log.read(str(path))
     assert [c["kernel"] for c in first["compiles"]] == ["_partial_kernel"] and first["compiles"][0]["s"] >= 0.02
+    assert first["compiles"][0]["key"] == str(("spec", 1))  # which variant compiled
     assert "compiles" not in second
     summary = step_log.summarize([first, second])
     assert summary["compiles"]["count"] == 1 and summary["compiles"]["kernels"] == {"_partial_kernel": 1}
