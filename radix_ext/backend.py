@@ -40,8 +40,8 @@ from kvsieve.kernels.extend_attention import extend_attention
 from kvsieve.kernels import region_store
 from kvsieve.policies import Need, Observations, SlotView
 
-from . import (faults, forward_graphs, head_parallel, layer0_probe, layer_blocks, logit_guard, memory_plan,
-               memory_split, metrics, region_graphs, step_meta, tbq_store)
+from . import (faults, forward_graphs, head_parallel, kernel_warmup, layer0_probe, layer_blocks, logit_guard,
+               memory_plan, memory_split, metrics, region_graphs, step_meta, tbq_store)
 from .forward_graphs import ForwardGraphs
 from .model_info import build_model_info
 from .profiling import recording, span
@@ -175,6 +175,9 @@ class KvsieveAttnBackend(AttentionBackend):
         if logits_processor is not None:
             logits_processor.register_forward_pre_hook(self._observe_tokens, with_kwargs=True)
             logit_guard.install(logits_processor)  # a row of NaN logits ends its request, not the server
+        if self.use_kernel and torch.device(self.device).type == "cuda":
+            # Every observation variant of the decode kernels now, not at a batch's first need of it.
+            kernel_warmup.warm_up_backend(self, RUNTIME.model_info.num_q_heads, model_runner.model_config.dtype)
 
     # Everything this class does not define (CUDA-graph state and metadata,
     # fill values) is SGLang's backend's: graphs run batches without
