@@ -19,6 +19,10 @@ On CPU the operations are cheap, so the count is the number to compare;
 `--classes 1,3,9` repeats each row count with the rows dealt over the first
 1, 3 and 9 policies only (issue #29 asks for host work per step that does
 not grow with the number of policy classes; each run records `classes`).
+`full` among --policies deals rows that are plain requests (no kv_policy):
+as in a served mixed step, the step folds them into its pass as pool-only
+rows (StepBuilder.fold_pool_rows; py-spy put `_folded_rows` at a fifth of
+the scheduler's samples in the ten-policy batch on an H200, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -89,10 +93,15 @@ def setup(rows: int, names: list[str], budget: int, device: str, steps: int):
     RUNTIME.overflow_flags = torch.zeros(rows + 1, dtype=torch.bool, device=device)
     req_to_token = torch.arange((rows + 1) * 4096, dtype=torch.int32, device=device).view(rows + 1, 4096)
     builder = StepBuilder(RUNTIME.region, req_to_token, device, pad_rows=True)
+    # Plain rows (`full`) fold into the pass, as where whole-stack graphs run (memory_plan's default width).
+    builder.fold_pool_rows, builder.fold_max_tokens = "full" in names, 4096
     rids = []
     for i in range(rows):
         name = names[i % len(names)]
         rid = f"r{i}"
+        if name == "full":  # a plain request: not the runtime's, its KV all in the token pool
+            rids.append(rid)
+            continue
         kv_policy = {"name": name, "budget": max(budget, 132 if name == "crystalcache" else budget)}
         RUNTIME.admit(rid, {"kv_policy": kv_policy}, prompt_len=PROMPT,
                       sgl_req=SimpleNamespace(req_pool_idx=i, to_finish=None))
@@ -136,6 +145,7 @@ def measure(rows: int, names: list[str], budget: int, steps: int, device: str) -
     RUNTIME.requests.clear()
     RUNTIME.region = None
     return {"rows": rows, "groups": len(step.region.groups), "padded_rows": int(step.region.pool_rows.shape[0]),
+            "pool_only_rows": step.region.pool_only,
             "host_ms_median": round(statistics.median(times), 3),
             "host_ms_p90": round(sorted(times)[int(0.9 * len(times))], 3),
             "ops_per_step": round(sum(ops.values()) / len(counts), 1),

@@ -58,3 +58,14 @@ def test_the_plot_of_two_runs_is_written(tmp_path, before, after):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_full_rows_fold_into_the_step_as_served(tmp_path):
+    out = tmp_path / "full.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "12", "--steps", "12",
+                           "--policies", "h2o,full,rkv", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    # Four of twelve rows are plain requests: pool-only rows of the step, in no group.
+    assert run["pool_only_rows"] == 4 and run["groups"] == 2 and run["padded_rows"] >= 12
