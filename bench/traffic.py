@@ -150,7 +150,7 @@ def is_kvsieve(name: str) -> bool:
 MAX_MESSAGES = 5  # error messages kept per rate
 LOAD_SAMPLE_S = 0.5
 # Options that may differ between runs merged into one file (the rest must match).
-RUN_ONLY = ("engines", "rates", "deadline", "out", "commit", "quick")
+RUN_ONLY = ("engines", "rates", "deadline", "out", "commit", "quick", "baseline")
 
 
 # ----- options -----
@@ -195,6 +195,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="a request whose scheduler queue time exceeds this (s) counts as queued")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None, help="the commit the wheel was built from (wins over git)")
+    ap.add_argument("--baseline", default=None,
+                    help="an earlier result of the same trace and settings: its engines that this call does not "
+                         "run are copied in (vanilla's run, kept beside each kvsieve build's)")
     ap.add_argument("--quick", action="store_true", help="small CPU defaults (see the docstring); explicit "
                                                          "options win")
     args = ap.parse_args(argv)
@@ -647,6 +650,23 @@ def load_previous(path: Path, cfg: dict, trace: dict) -> dict | None:
     return previous
 
 
+def load_baseline(path: Path, cfg: dict, trace: dict, split: dict, running: list) -> tuple[dict, dict]:
+    """--baseline: the engines of an earlier result of the same settings and
+    trace (load_previous' checks, and the same KV split) that this call does
+    not run, and the record of where they came from."""
+    if not path.exists():
+        raise SystemExit(f"--baseline {path}: no such file")
+    base = load_previous(path, cfg, trace)
+    if base.get("memory_split") != split:
+        raise SystemExit(f"--baseline {path}: another KV split ({base.get('memory_split')} != {split})")
+    missing = sorted(rate for rate in trace if rate not in base.get("trace", {}))
+    if missing:
+        raise SystemExit(f"--baseline {path}: no run of rate(s) {', '.join(missing)}")
+    engines = {name: runs for name, runs in base.get("engines", {}).items() if name not in running}
+    return engines, {"engines": sorted(engines), "file": str(path), "commit": base.get("commit"),
+                     "date": base.get("date"), "device": base.get("device")}
+
+
 def rate_key(rate: float) -> str:
     return f"{rate:g}"
 
@@ -681,17 +701,21 @@ def main(argv: list[str]) -> int:
     cfg["model"] = str(model)
     command = "python3 bench/traffic.py " + shlex.join(argv)
     previous = load_previous(out_path, cfg, summaries)
+    baseline, baseline_part = (load_baseline(Path(args.baseline), cfg, summaries, split, list(args.engines))
+                               if args.baseline else ({}, None))
     results = {
         "kind": "traffic", **commit_of(args.commit), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(args.device), "command": command,
         "commands": (previous or {}).get("commands", []) + [command],
         "config": cfg, "comparable": comparable(cfg), "model_shape": shape, "memory_split": split,
         "policies": specs, "trace": {**(previous or {}).get("trace", {}), **summaries},
-        "engines": (previous or {}).get("engines", {}),
+        "engines": {**baseline, **(previous or {}).get("engines", {})},
     }
     if previous:
         results["earlier_parts"] = previous.get("earlier_parts", []) + [
             {k: previous.get(k) for k in ("date", "device", "command", "commit")}]
+    if baseline_part:
+        results["earlier_parts"] = results.get("earlier_parts", []) + [baseline_part]
 
     def save() -> None:
         results["elapsed_s"] = round(time.monotonic() - t0, 1)

@@ -310,3 +310,31 @@ def test_the_nofold_variant_is_kvsieve_with_full_rows_on_sglangs_backend(tmp_pat
     assert off["KVSIEVE_EAGER_DEFER"] == "0" and off["KVSIEVE_FOLD_POOL_ROWS"] == "1"
     assert traffic.set_region_env("kvsieve", split)["KVSIEVE_EAGER_DEFER"] == "1"
     assert traffic.set_region_env("vanilla", split) == {} and "KVSIEVE_EAGER_DEFER" not in os.environ
+
+
+def test_a_baseline_of_the_same_trace_gives_the_engines_this_call_does_not_run(tmp_path):
+    args = traffic.parse_args(["--quick", "--engines", "kvsieve"])
+    cfg = vars(args)
+    trace = {"2": {"hash": "abc"}}
+    split = {"kv_tokens": 8192}
+    base = tmp_path / "vanilla.json"
+    runs = {"vanilla": {"2": {"goodput_tok_s": 10.0}}, "kvsieve": {"2": {"goodput_tok_s": 1.0}}}
+    record = {"kind": "traffic", "comparable": traffic.comparable({**cfg, "engines": ["vanilla", "kvsieve"]}),
+              "trace": trace, "memory_split": split, "engines": runs, "commit": "6a171f1", "date": "d",
+              "device": "H200"}
+    base.write_text(json.dumps(record))
+    engines, part = traffic.load_baseline(base, cfg, trace, split, ["kvsieve"])
+    assert engines == {"vanilla": runs["vanilla"]}  # what this call runs is its own
+    assert part == {"engines": ["vanilla"], "file": str(base), "commit": "6a171f1", "date": "d", "device": "H200"}
+    # Another trace, another split, a rate it lacks, another setting: refused, naming why.
+    for change, match in (({"trace": {"2": {"hash": "zzz"}}}, "another trace"),
+                          ({"memory_split": {"kv_tokens": 1}}, "another KV split"),
+                          ({"trace": {}}, "no run of rate"),
+                          ({"comparable": traffic.comparable({**cfg, "budget": 99})}, "budget 99")):
+        base.write_text(json.dumps({**record, **change}))
+        with pytest.raises(SystemExit, match=match):
+            traffic.load_baseline(base, cfg, trace, split, ["kvsieve"])
+    with pytest.raises(SystemExit, match="no such file"):
+        traffic.load_baseline(tmp_path / "none.json", cfg, trace, split, ["kvsieve"])
+    # A run-only option: a result made with --baseline compares with one made without.
+    assert "baseline" not in traffic.comparable({**cfg, "baseline": str(base)})
