@@ -12,13 +12,16 @@ import pytest
 REPO = Path(__file__).parents[1]
 
 
-def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
-    out = tmp_path / "meta.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "8,24", "--steps", "24",
-                           "--policies", "h2o,rkv,streaming", "--out", str(out)],
+def run_bench(out: Path, *args: str) -> dict:
+    """bench/step_meta_host.py with `args`, its result written to `out`."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), *args, "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
+    result = run_bench(tmp_path / "meta.json", "--rows", "8,24", "--steps", "24", "--policies", "h2o,rkv,streaming")
     assert result["policies"] == ["h2o", "rkv", "streaming"] and result["machine"]
     small, large = result["runs"]
     assert (small["rows"], large["rows"]) == (8, 24)
@@ -33,12 +36,8 @@ def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
 
 
 def test_a_class_sweep_deals_the_same_rows_over_fewer_policies(tmp_path):
-    out = tmp_path / "classes.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "12", "--steps", "12",
-                           "--policies", "h2o,rkv,streaming", "--classes", "1,3", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
+    runs = run_bench(tmp_path / "classes.json", "--rows", "12", "--steps", "12", "--policies", "h2o,rkv,streaming",
+                     "--classes", "1,3")["runs"]
     assert [(r["rows"], r["classes"], r["groups"]) for r in runs] == [(12, 1, 1), (12, 3, 3)]
     # More classes, more groups to cut, pad and ship: the number issue #29 wants flat.
     assert runs[1]["ops_per_step"] > runs[0]["ops_per_step"]
@@ -61,11 +60,6 @@ def test_the_plot_of_two_runs_is_written(tmp_path, before, after):
 
 
 def test_full_rows_fold_into_the_step_as_served(tmp_path):
-    out = tmp_path / "full.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench/step_meta_host.py"), "--rows", "12", "--steps", "12",
-                           "--policies", "h2o,full,rkv", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = json.loads(out.read_text())["runs"][0]
+    run = run_bench(tmp_path / "full.json", "--rows", "12", "--steps", "12", "--policies", "h2o,full,rkv")["runs"][0]
     # Four of twelve rows are plain requests: pool-only rows of the step, in no group.
     assert run["pool_only_rows"] == 4 and run["groups"] == 2 and run["padded_rows"] >= 12
