@@ -27,7 +27,7 @@ from kvsieve.kernels import longflow_fused
 from kvsieve.policies import Need
 from kvsieve.radix_ext import kernel_warmup
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
-from kvsieve.radix_ext.step_meta import LATER_LAYERS_SHIFT
+from kvsieve.radix_ext.step_meta import LATER_LAYERS_SHIFT, observe_bits_of
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 4, 4, 28, 128, 16
 DECODE = {"_partial_kernel": da._partial_kernel, "_merge_kernel": da._merge_kernel,
@@ -65,7 +65,7 @@ def sweep(pages, pool_k, pool_v) -> int:
                 row_columns = unaligned(torch.full((rows,), columns, dtype=torch.int32, device=dev))
                 for needs in kernel_warmup.need_sets():
                     for extra in (Need.NONE, Need.KEYS):
-                        bits = kernel_warmup.row_bits(needs)
+                        bits = observe_bits_of(needs)
                         observe = unaligned(torch.tensor([bits if i % 3 else 0 for i in range(rows)],
                                                          dtype=torch.int32, device=dev))
                         for layer, shift in ((0, 0), (1, LATER_LAYERS_SHIFT)):

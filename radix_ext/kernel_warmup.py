@@ -29,7 +29,7 @@ from kvsieve.kernels import longflow_fused
 from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.policies import Need
 
-from .step_meta import LATER_LAYERS_SHIFT, PAD_POOL_ROW
+from .step_meta import PAD_POOL_ROW, observe_bits_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,6 @@ def need_sets() -> list[Need]:
     return out
 
 
-def row_bits(needs: Need) -> int:
-    """The per-row observation bits a row reading `needs` in every layer
-    carries (step_meta.observe_bits)."""
-    first = (1 if needs & (Need.ATTENTION | Need.PV_NORM) else 0) | (2 if needs & Need.SPARSITY else 0)
-    return first | first << LATER_LAYERS_SHIFT
-
-
 def warm_up_decode(pages, pool_k: torch.Tensor, pool_v: torch.Tensor, q_heads: int, dtype: torch.dtype,
                    rows: int = 16, columns: int = 4, prefix: int = 128) -> int:
     """Launch the decode attention once per need set (and through the
@@ -84,7 +77,7 @@ def warm_up_decode(pages, pool_k: torch.Tensor, pool_v: torch.Tensor, q_heads: i
     row_columns = torch.zeros(rows, dtype=torch.int32, device=dev)
     launches = 0
     for needs in need_sets():
-        row_observe = torch.full((rows,), row_bits(needs), dtype=torch.int32, device=dev)
+        row_observe = torch.full((rows,), observe_bits_of(needs), dtype=torch.int32, device=dev)
         fused = longflow_fused.applies(needs, pages.quant, table.shape[2] * pages.config.page_size)
         for route in ((None, False) if fused else (None,)):
             decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, pages.k, pages.v, pages.valid, table,

@@ -110,8 +110,6 @@ def observed_block(policy, obs: list, rows: torch.Tensor, slots: Optional[int]):
     cat (a mixed batch's groups made ~160 such gathers a step)."""
     from kvsieve.policies import Need, Observations
 
-    from .backend import observed_rows
-
     cut = slice(None) if slots is None else slice(0, slots)
     needs = policy.needs
 
@@ -120,13 +118,10 @@ def observed_block(policy, obs: list, rows: torch.Tensor, slots: Optional[int]):
         if tensors[0] is None or not needs & need:
             return None
         run = layer_run(tensors)
-        if run is None:
-            return _per_layer(name)
+        if run is None:  # not blocks of one buffer: a gather a layer
+            return stack_rows([t[rows, :, cut] if per_slot else t[rows] for t in tensors])
         picked = run[:, rows, :, cut] if per_slot else run[:, rows]
         return picked.reshape(-1, *picked.shape[2:])
-
-    def _per_layer(name: str) -> torch.Tensor:
-        return stack_rows([getattr(observed_rows(policy, o, rows, slots), name) for o in obs])
 
     return Observations(attention=kind("attention", Need.ATTENTION, True),
                         pv_norm=kind("pv_norm", Need.PV_NORM, True),

@@ -127,8 +127,13 @@ def observe_bits(policy) -> int:
     row_observe) for a row of `policy`: bit 0 attention / |p*v|, bit 1
     sparsity in the first layer; bits 2 and 3 the same in later layers
     (none for a policy that observes the first layer only)."""
-    first = (1 if policy.needs & (Need.ATTENTION | Need.PV_NORM) else 0) | (2 if policy.needs & Need.SPARSITY else 0)
-    return first | (0 if policy.observes_first_layer_only else first << 2)
+    return observe_bits_of(policy.needs, policy.observes_first_layer_only)
+
+
+def observe_bits_of(needs: Need, first_layer_only: bool = False) -> int:
+    """observe_bits of rows whose policy reads `needs`."""
+    first = (1 if needs & (Need.ATTENTION | Need.PV_NORM) else 0) | (2 if needs & Need.SPARSITY else 0)
+    return first | (0 if first_layer_only else first << LATER_LAYERS_SHIFT)
 
 
 #: observe_bits' shift for a layer past the first.

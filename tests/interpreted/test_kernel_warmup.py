@@ -16,6 +16,7 @@ import torch
 
 from kvsieve.policies import Need
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
+from kvsieve.radix_ext.step_meta import observe_bits_of
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_every_observation_combination_is_launched_once_per_route(warmup, monkey
     # LongFlow's needs go through its fused pass by default; the split path is launched for them too.
     from kvsieve.kernels import longflow_fused
     for needs, fused, bits in calls:
-        assert bits == warmup.row_bits(needs)
+        assert bits == observe_bits_of(needs)
         if fused is False:
             assert longflow_fused.applies(needs, None, 16)
     assert any(fused is False for _, fused, _ in calls) == longflow_fused.applies(Need.PV_NORM, None, 16)
