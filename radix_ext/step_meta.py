@@ -48,6 +48,10 @@ MIN_DECISION_BUCKET = 8
 #: page-table row holds only the null page, which has no valid slot.
 PAD_POOL_ROW = 0
 
+#: Picks of one class whose gathered parameters are kept (_picked_params):
+#: a steady batch repeats a few (deciding, observing, chunks).
+MAX_HELD_PICKS = 16
+
 #: Where a step's policy groups are built; StepBuilder._ship then moves them to the device at once.
 HOST = "cpu"
 
@@ -326,6 +330,64 @@ class PolicyGroup:
 
 
 @dataclass
+class ClassRows:
+    """One policy class's rows of a step on the host, before they are cut
+    into groups: per row its region row, budget, step and req_pool row
+    (host lists), and the class's parameters and step inputs (host tensors,
+    one row each)."""
+
+    policy: Policy
+    members: list  # region rows
+    requests: list  # CompressedRequest of each
+    budgets: list
+    steps: list
+    pool_rows: list
+    params: dict
+    maxima: dict
+    inputs: dict
+    #: Whether every parameter and input is laid out per row (PolicyGroup.splittable).
+    splittable: bool = True
+
+
+@dataclass
+class GroupDraft:
+    """A policy group while the step cuts it (decisions due, key-reading
+    chunks) and pads it (StepBuilder.pad_groups): which rows of its class
+    it takes, as positions into ClassRows (`picks`; a padded row repeats
+    the first row's). Only host lists change here; StepBuilder._materialize
+    then makes every draft of the step a PolicyGroup at once (a cut and a
+    pad made separately were a gather of every tensor each, dozens a step
+    in a mixed batch)."""
+
+    source: ClassRows
+    picks: list  # position in `source` of each row
+    members: list  # region row of each (padded rows: rows past the step's real ones)
+    requests: list  # CompressedRequest of each, None for padded rows
+    action: str = "decide"
+    width: int = 0
+
+    @property
+    def policy(self) -> Policy:
+        return self.source.policy
+
+    def splittable(self) -> bool:
+        return self.source.splittable
+
+    def subset(self, positions: list[int], action: str) -> "GroupDraft":
+        """The draft restricted to its rows at `positions`."""
+        return GroupDraft(source=self.source, picks=[self.picks[i] for i in positions],
+                          members=[self.members[i] for i in positions],
+                          requests=[self.requests[i] for i in positions], action=action, width=self.width)
+
+    def pad(self, new_rows: list[int]) -> None:
+        """Append padded rows (region rows `new_rows`), copies of the first row
+        but for their table row (PAD_POOL_ROW) and their request (none)."""
+        self.picks = self.picks + [self.picks[0]] * len(new_rows)
+        self.members = self.members + list(new_rows)
+        self.requests = self.requests + [None] * len(new_rows)
+
+
+@dataclass
 class RegionRows:
     """Region rows of the step, in batch order."""
 
@@ -485,15 +547,18 @@ class StepBuilder:
         self.fold_max_tokens = 0
         #: Policy class -> (its rows' params, their batch_params) of its last group (_batch_params).
         self._params_held: dict = {}
+        #: Policy class -> (its params, picks -> those params gathered) (_picked_params).
+        self._picks_held: dict = {}
 
     # ----- policy groups ----------------------------------------------------
     def _groups(self, requests: list[CompressedRequest], rows: list[int], steps: list[int],
-                budgets: list[int], pool_rows: list[int], prefill: bool) -> list[PolicyGroup]:
+                budgets: list[int], pool_rows: list[int], prefill: bool) -> list[GroupDraft]:
+        """The step's policy groups as drafts: one a class, split by the
+        decisions due (_split_by_decision); _materialize makes them groups."""
         by_class: dict[type, list[int]] = {}
         for r in rows:
             by_class.setdefault(type(requests[r].policy), []).append(r)
         groups = []
-        max_rows = self.req_to_token.shape[0]
         for cls, members in by_class.items():
             if not prefill and not cls.acts_during_decode():
                 continue  # in no group: its rows store and attend only (Policy.acts_during_decode)
@@ -512,14 +577,60 @@ class StepBuilder:
                     due = None if prefill or not step_rows else policy.deciding_rows(step_rows)
             except faults.PolicyFault:
                 continue
-            rows_t, budget_t, step_t, pool_rows_t = rows_to_device(
-                [members, [budgets[r] for r in members], [steps[r] for r in members], [pool_rows[r] for r in members]],
-                torch.int64, HOST)
-            group = PolicyGroup(
-                policy=policy, rows=rows_t, budget=budget_t, step=step_t, params=params, maxima=maxima,
-                inputs=inputs, pool_rows=pool_rows_t, max_rows=max_rows, members=members, requests=members_requests)
-            groups += self._split_by_decision(group, due)
+            n = len(members)
+            source = ClassRows(
+                policy=policy, members=members, requests=members_requests, budgets=[budgets[r] for r in members],
+                steps=[steps[r] for r in members], pool_rows=[pool_rows[r] for r in members], params=params,
+                maxima=maxima, inputs=inputs,
+                splittable=all(t.dim() > 0 and t.shape[0] == n for t in (*params.values(), *inputs.values())))
+            whole = GroupDraft(source=source, picks=list(range(n)), members=members, requests=members_requests)
+            groups += self._split_by_decision(whole, due)
         return groups
+
+    def _materialize(self, drafts: list[GroupDraft]) -> list[PolicyGroup]:
+        """The step's drafts as PolicyGroups (host tensors): every group's
+        rows, budgets, steps and table rows from one host tensor; each
+        parameter and input gathered once for the rows a group picks (not at
+        all where it picks its class's rows in order), parameters reused
+        while a class's rows and picks repeat (a steady batch)."""
+        lists = []
+        for d in drafts:
+            src = d.source
+            lists += [d.members, [src.budgets[p] for p in d.picks], [src.steps[p] for p in d.picks],
+                      [PAD_POOL_ROW if req is None else src.pool_rows[p] for p, req in zip(d.picks, d.requests)]]
+        columns = rows_to_device(lists, torch.int64, HOST)
+        max_rows = self.req_to_token.shape[0]
+        groups = []
+        for i, d in enumerate(drafts):
+            src = d.source
+            rows_t, budget_t, step_t, pool_rows_t = columns[4 * i:4 * i + 4]
+            if d.picks == list(range(len(src.members))):  # the class's rows, in order: nothing to gather
+                params, inputs = dict(src.params), dict(src.inputs)
+            else:
+                take = RowIndex(d.picks).take
+                params = self._picked_params(src, d.picks, take)
+                inputs = {k: take(v) for k, v in src.inputs.items()}
+            groups.append(PolicyGroup(
+                policy=src.policy, rows=rows_t, budget=budget_t, step=step_t, params=params, maxima=src.maxima,
+                inputs=inputs, pool_rows=pool_rows_t, max_rows=max_rows, members=d.members, action=d.action,
+                requests=d.requests, width=d.width))
+        return groups
+
+    def _picked_params(self, source: ClassRows, picks: list[int], take) -> dict:
+        """source.params gathered at `picks`, reused while the class's
+        parameter tensors are the same objects (_batch_params keeps them
+        while its rows are) and the picks repeat. Fresh dicts each time, as
+        their holders replace entries (_ship)."""
+        held = self._picks_held.get(type(source.policy))
+        key = tuple(picks)
+        if held is None or any(held[0].get(k) is not v for k, v in source.params.items()):
+            held = self._picks_held[type(source.policy)] = (source.params, {})
+        picked = held[1].get(key)
+        if picked is None:
+            if len(held[1]) >= MAX_HELD_PICKS:
+                held[1].clear()
+            picked = held[1][key] = {k: take(v) for k, v in source.params.items()}
+        return dict(picked)
 
     def _batch_params(self, cls: type, rows: list) -> tuple[dict, dict]:
         """cls.batch_params of `rows` on the host, reused while a class's
@@ -594,6 +705,7 @@ class StepBuilder:
             if g.policy.needs & (Need.ATTENTION | Need.PV_NORM):
                 observed = max(observed, g.width)
         extra = self.pad_groups(groups, real) if pad else 0
+        groups = self._materialize(groups)
         if extra:
             # Padded rows: batch row 0 (their q/k/v are read, not used), the
             # null pages' table row, no prefix, no columns, no observations.
@@ -644,7 +756,7 @@ class StepBuilder:
         return min(step_width, width_bucket(columns)) if self.pad_rows else columns
 
     def pad_groups(self, groups: list, real: int) -> int:
-        """Pad the policy groups of a decode step to row_bucket rows, so that
+        """Pad the policy groups (drafts) of a decode step to row_bucket rows, so that
         requests joining and ending keep the step's shapes (and its captured
         graphs). Padded rows come after the real ones, copy their group's
         first row's budget, step, parameters and inputs, and read page-table
@@ -687,16 +799,7 @@ class StepBuilder:
             start = used.get(type(group.policy), 0)
             used[type(group.policy)] = start + pads
             extra = max(extra, start + pads)
-            take = RowIndex(list(range(n)) + [0] * pads).take
-            new_rows = list(range(real + start, real + start + pads))
-            group.rows = torch.cat([group.rows, _long(new_rows, group.rows.device)])
-            group.budget, group.step = take(group.budget), take(group.step)
-            group.params = {k: take(v) for k, v in group.params.items()}
-            group.inputs = {k: take(v) for k, v in group.inputs.items()}
-            group.pool_rows = torch.cat([group.pool_rows, torch.full((pads,), PAD_POOL_ROW, dtype=torch.int64,
-                                                                     device=group.pool_rows.device)])
-            group.members = group.members + new_rows
-            group.requests = group.requests + [None] * pads
+            group.pad(list(range(real + start, real + start + pads)))
         # Rows of no group up to a multiple of ROWS_STEP: a group that is
         # not padded (one that runs eagerly) then does not change the row
         # count that keys the attention's graphs.
@@ -910,9 +1013,9 @@ class StepBuilder:
         observe = (query_pos >= prompt_lens - _long(windows, dev).unsqueeze(1)) & (query_pos >= 0)
         # Groups over the rows that end their prompt, indexed within `ending`
         # (built from host lists: no read back from the device).
-        ending_groups = self._groups([requests[r] for r in ending], list(range(len(ending))),
-                                     [0] * len(ending), [budgets[r] for r in ending],
-                                     [pool_rows[r] for r in ending], prefill=True)
+        ending_groups = self._materialize(self._groups([requests[r] for r in ending], list(range(len(ending))),
+                                                       [0] * len(ending), [budgets[r] for r in ending],
+                                                       [pool_rows[r] for r in ending], prefill=True))
         extend = ExtendRows(
             token_index=_long(token_index, dev), token_row=_long(token_row, dev), token_col=_long(token_col, dev),
             token_slot=_long(token_slot, dev), query_pos=query_pos, observe=observe, max_len=T,

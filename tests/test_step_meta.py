@@ -317,8 +317,8 @@ def test_a_policy_that_only_selects_from_the_prompt_forms_no_decode_group(runtim
 
 def test_a_groups_lists_and_parameters_go_to_the_device_in_one_transfer_each(runtime, monkeypatch):
     # Each host-to-device transfer is one observations.to_device call: the
-    # step's groups get their four index lists in one each, their parameters
-    # in one per dtype (before: one per list and per parameter).
+    # step's groups get their four index lists in one (all groups together),
+    # their parameters in one per dtype (before: one per list and per parameter).
     from kvsieve.policies import observations
 
     calls = []
@@ -345,7 +345,7 @@ def test_a_groups_lists_and_parameters_go_to_the_device_in_one_transfer_each(run
             groups["h2o"].pool_rows.tolist()] == [[0, 1], [8, 6], [0, 0], [3, 4]]
     assert [groups["rkv"].rows.tolist(), groups["rkv"].budget.tolist(), groups["rkv"].pool_rows.tolist()] == [
         [2], [8], [5]]
-    assert (4 * 2, torch.int64) in calls and (4 * 1, torch.int64) in calls, calls  # each group's four lists at once
+    assert (4 * 3, torch.int64) in calls, calls  # every group's four lists at once
 
 
 def test_a_classes_parameters_are_built_once_while_its_rows_are_the_same(runtime, monkeypatch):
@@ -369,3 +369,63 @@ def test_a_classes_parameters_are_built_once_while_its_rows_are_the_same(runtime
     assert calls == [2, 2] and other["window"].tolist() == [8, 32] and maxima["window"] == 32
     runtime._batch_params(cls, [a])
     assert calls == [2, 2, 1]
+
+
+def test_a_steady_class_gathers_its_parameters_once_for_the_rows_a_group_picks(runtime, monkeypatch):
+    # A class cut into deciding and observing rows gathers its parameters
+    # for each part once, and reuses them while its rows and the cut repeat
+    # (StepBuilder._materialize); a group of all its rows in order gathers none.
+    from kvsieve.radix_ext import step_meta
+
+    rkv = get_policy("rkv")
+    monkeypatch.setattr(rkv, "pads_decisions", False)
+    gathered = []
+    take = step_meta.RowIndex.take
+    monkeypatch.setattr(step_meta.RowIndex, "take", lambda self, t: gathered.append(t.shape) or take(self, t))
+    for rid, row, window in (("a", 1, 8), ("b", 2, 16), ("c", 3, 32)):
+        req = admit(rid, {"name": "rkv", "budget": 8, "params": {"buffer": 4, "window": window}}, prompt_len=5,
+                    row=row, new_tokens=16)
+        req.prefix_len = 5
+    per_group = len(rkv.batch_params([rkv.Params()], "cpu")[0])  # its parameters (rkv has no step inputs)
+
+    def step(seq_lens):
+        gathered.clear()
+        meta = runtime.build(decode_batch(["a", "b", "c"], [1, 2, 3], seq_lens))
+        return {g.action: g for g in meta.region.groups}
+
+    first = step([9, 10, 13])  # steps 3, 4, 7: a and c decide
+    assert len(gathered) == 2 * per_group
+    assert first["decide"].params["window"].tolist() == [8, 32] and first["observe"].params["window"].tolist() == [16]
+    assert first["decide"].budget.tolist() == [8, 8] and first["observe"].step.tolist() == [4]
+    again = step([13, 14, 17])  # steps 7, 8, 11: the same cut, nothing gathered
+    assert gathered == []
+    assert again["decide"].step.tolist() == [7, 11] and again["observe"].step.tolist() == [8]
+    assert again["decide"].params["window"].tolist() == [8, 32] and again["observe"].params["window"].tolist() == [16]
+    whole = step([12, 16, 20])  # steps 6, 10, 14: none due, one group of every row
+    assert gathered == [] and whole["observe"].params["window"].tolist() == [8, 16, 32]
+    swapped = step([10, 13, 14])  # steps 4, 7, 8: the same two parts, the other one decides
+    assert gathered == []
+    assert swapped["decide"].params["window"].tolist() == [16] and swapped["observe"].params["window"].tolist() == [8, 32]
+    other = step([9, 10, 11])  # steps 3, 4, 5: another cut, gathered anew
+    assert len(gathered) == 2 * per_group
+    assert other["decide"].params["window"].tolist() == [8] and other["observe"].params["window"].tolist() == [16, 32]
+
+
+def test_padded_rows_of_a_cut_group_copy_its_first_row_but_read_the_null_table_row(runtime, monkeypatch):
+    from kvsieve.radix_ext.step_meta import PAD_POOL_ROW
+
+    rkv = get_policy("rkv")
+    monkeypatch.setattr(rkv, "pads_decisions", False)
+    runtime.pad_rows = True
+    for rid, row, window in (("a", 1, 8), ("b", 2, 16), ("c", 3, 32)):
+        admit(rid, {"name": "rkv", "budget": 8, "params": {"buffer": 4, "window": window}}, prompt_len=5,
+              row=row, new_tokens=16).prefix_len = 5
+    meta = runtime.build(decode_batch(["a", "b", "c"], [1, 2, 3], [10, 9, 13]))  # b and c decide
+    groups = {g.action: g for g in meta.region.groups}
+    decide, observe = groups["decide"], groups["observe"]
+    assert decide.members == [1, 2] and observe.members == [0, 3]  # the class's 3 rows padded to 4
+    assert observe.requests[1] is None and observe.rows.tolist() == [0, 3]
+    assert observe.pool_rows.tolist() == [1, PAD_POOL_ROW]
+    assert observe.step.tolist() == [4, 4] and observe.budget.tolist() == [8, 8]
+    assert observe.params["window"].tolist() == [8, 8]
+    assert meta.region.real == 3 and meta.region.pool_rows.shape[0] == 16
