@@ -16,16 +16,26 @@ from __future__ import annotations
 import torch
 
 
+#: dtypes of a list -> its runs (_runs): a step's groups repeat a few layouts.
+_LAYOUTS: dict = {}
+
+
 def _runs(tensors) -> list[list[int]]:
     """The layout: indices of `tensors` in runs of one dtype, widest
     elements first (each run then starts at an offset its dtype divides)."""
-    order = sorted(range(len(tensors)), key=lambda i: (-tensors[i].element_size(), str(tensors[i].dtype)))
-    runs: list[list[int]] = []
-    for i in order:
-        if runs and tensors[runs[-1][0]].dtype == tensors[i].dtype:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
+    key = tuple(t.dtype for t in tensors)
+    runs = _LAYOUTS.get(key)
+    if runs is None:
+        order = sorted(range(len(key)), key=lambda i: (-tensors[i].element_size(), str(key[i])))
+        runs = []
+        for i in order:
+            if runs and key[runs[-1][0]] == key[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if len(_LAYOUTS) > 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = runs
     return runs
 
 
