@@ -10,8 +10,12 @@ kernel before and after the sweep.
 
     python bench/kernel_warmup_check.py [--out result.json]
 
-Exit 1 when the sweep compiled a decode variant the warm-up did not
-(LongFlow's fused kernels compile per tile size and are reported apart).
+Then LongFlow's select kernel (warm_up_select, then a sweep of group
+widths 1-512 columns of 16 slots: 16-8,192 slots, 1-144 rows).
+
+Exit 1 when the sweep compiled a decode or select variant the warm-up did
+not (LongFlow's fused attention kernels compile per tile size and are
+reported apart).
 Run by tests_gpu/test_kernel_warmup_cuda.py in a process of its own."""
 
 from __future__ import annotations
@@ -78,6 +82,30 @@ def sweep(pages, pool_k, pool_v) -> int:
     return launches
 
 
+def select_sweep(pages) -> int:
+    """longflow_select as policies/longflow.fused_victim launches it: kv
+    head 0's views of a group's per-slot tensors, every group width in
+    columns a step may pad to (step_meta.width_bucket) up to FUSED_MAX_SLOTS."""
+    from kvsieve.policies.longflow import FUSED_MAX_SLOTS
+    from kvsieve.radix_ext.step_meta import width_bucket
+
+    dev, heads = pages.k.device, pages.table.shape[2]
+    widths = sorted({width_bucket(c) for c in range(1, FUSED_MAX_SLOTS // PAGE + 1)
+                     if width_bucket(c) * PAGE <= FUSED_MAX_SLOTS} | {1, 3, 7})
+    launches = 0
+    for columns in widths:
+        slots = columns * PAGE
+        for rows in (1, 16, 144):
+            pv = torch.rand((rows, heads, slots), device=dev)
+            valid = torch.rand((rows, heads, slots), device=dev) > 0.5
+            position = torch.arange(slots, device=dev).expand(rows, heads, slots).contiguous()
+            protect = torch.ones(rows, dtype=torch.int32, device=dev)
+            longflow_fused.longflow_select(pv, valid[:, 0], position[:, 0], protect)
+            launches += 1
+    torch.cuda.synchronize()
+    return launches
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -90,18 +118,25 @@ def main() -> None:
     launches = kernel_warmup.warm_up_decode(pages, pool_k, pool_v, Q_HEADS, torch.bfloat16)
     warmed = {name: variants(k) for name, k in DECODE.items()}
     fused_warm = {name: variants(k) for name, k in fused_kernels().items()}
+    select = longflow_fused._select_kernel
+    select_launches = kernel_warmup.warm_up_select(pages)
+    select_warm = variants(select)
     swept = sweep(pages, pool_k, pool_v)
     after = {name: variants(k) for name, k in DECODE.items()}
+    select_swept = select_sweep(pages)
     result = {"device": torch.cuda.get_device_name(), "warmup_launches": launches, "sweep_launches": swept,
               "variants_before": before, "variants_after_warmup": warmed, "variants_after_sweep": after,
               "new_in_sweep": {name: after[name] - warmed[name] for name in DECODE if after[name] != warmed[name]},
+              "select_warmup_launches": select_launches, "select_sweep_launches": select_swept,
+              "select_variants_after_warmup": select_warm,
+              "select_new_in_sweep": variants(select) - select_warm,
               "fused_new_in_sweep": {name: variants(k) - fused_warm[name] for name, k in fused_kernels().items()
                                      if variants(k) != fused_warm[name]}}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    sys.exit(1 if result["new_in_sweep"] else 0)
+    sys.exit(1 if result["new_in_sweep"] or result["select_new_in_sweep"] else 0)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,12 @@ class LongFlowPolicy(Policy):
         return evict.unsqueeze(1) & view.valid
 
 
+#: The most slots a group's victim comes from the fused select kernel
+#: (fused_victim; PyTorch's ops past it). radix_ext/kernel_warmup compiles
+#: the kernel's every tile up to it at start.
+FUSED_MAX_SLOTS = 8192
+
+
 def fused_victim(batch, view, obs, protect):
     """The decode victim per row [R] from one Triton kernel
     (kernels/longflow_fused.py `longflow_select`: pv_norm summed over heads,
@@ -93,7 +99,7 @@ def fused_victim(batch, view, obs, protect):
     if batch.heads.size != 1 or batch.max_param("protect_recent") > 1:
         return None
     pv = obs.pv_norm
-    if not (pv.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or pv.shape[-1] > 8192:
+    if not (pv.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or pv.shape[-1] > FUSED_MAX_SLOTS:
         return None
     try:
         from kvsieve.kernels import longflow_fused

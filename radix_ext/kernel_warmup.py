@@ -13,6 +13,12 @@ first request. The integer arguments the kernels specialize on are the
 engine's (strides of its buffers) or always multiples of 16 (a step's
 keys), so these launches compile the variants serving launches.
 
+LongFlow's select kernel (kernels/longflow_fused.py `longflow_select`)
+compiles once per tile, the group's slots rounded up to a power of two: a
+group growing towards its budget met a new tile mid-serving (0.15-0.26 s
+each in a traffic run, 2026-11-29). Every tile up to the widest it serves
+is launched here too (warm_up_select).
+
 KVSIEVE_KERNEL_WARMUP=0 turns it off (a start a few seconds shorter on a
 cold Triton cache)."""
 
@@ -28,6 +34,7 @@ import torch
 from kvsieve.kernels import longflow_fused
 from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.policies import Need
+from kvsieve.policies.longflow import FUSED_MAX_SLOTS
 
 from .step_meta import PAD_POOL_ROW, observe_bits_of
 
@@ -87,6 +94,32 @@ def warm_up_decode(pages, pool_k: torch.Tensor, pool_v: torch.Tensor, q_heads: i
     return launches
 
 
+def select_tiles(page_size: int, widest: int = FUSED_MAX_SLOTS) -> list[int]:
+    """Slot counts whose select tiles serving may launch: each power of two
+    from a page up to `widest` (its own tile)."""
+    out, slots = [], page_size
+    while slots <= widest:
+        out.append(slots)
+        slots *= 2
+    return out
+
+
+def warm_up_select(pages) -> int:
+    """Launch LongFlow's select kernel once per tile (select_tiles) on one
+    empty row with the region's per-slot dtypes, as fused_victim launches it
+    (kv head 0's views of fresh per-group tensors). Returns the launches."""
+    dev, heads = pages.k.device, pages.table.shape[2]
+    launches = 0
+    for slots in select_tiles(pages.config.page_size):
+        pv_norm = torch.zeros((1, heads, slots), dtype=torch.float32, device=dev)
+        valid = torch.zeros((1, heads, slots), dtype=pages.valid.dtype, device=dev)
+        position = torch.full((1, heads, slots), -1, dtype=pages.position.dtype, device=dev)
+        longflow_fused.longflow_select(pv_norm, valid[:, 0], position[:, 0],
+                                       torch.ones(1, dtype=torch.int32, device=dev))
+        launches += 1
+    return launches
+
+
 def warm_up_backend(backend, q_heads: int, dtype: torch.dtype) -> None:
     """The warm-up for a kvsieve backend whose compressed rows run the
     Triton kernels, logged with its time."""
@@ -95,5 +128,7 @@ def warm_up_backend(backend, q_heads: int, dtype: torch.dtype) -> None:
     started = time.perf_counter()
     pool = backend.token_to_kv_pool
     launches = warm_up_decode(backend.pages, pool.get_key_buffer(0), pool.get_value_buffer(0), q_heads, dtype)
+    if longflow_fused.enabled():
+        launches += warm_up_select(backend.pages)
     logger.warning("kvsieve: decode kernel variants compiled at start (%d launches, %.1f s; %s=0 skips it)",
                    launches, time.perf_counter() - started, ENV)

@@ -2,7 +2,8 @@
 kernel variant to compile mid-serving: bench/kernel_warmup_check.py in a
 process of its own (a fresh one: variants this test process compiled
 earlier would hide what the warm-up missed) compiles variants in the
-warm-up and none in a sweep of serving's launches."""
+warm-up and none in a sweep of serving's launches (the decode attention's,
+and LongFlow's select kernel's)."""
 
 import json
 import os
@@ -24,4 +25,7 @@ def test_after_the_warmup_serving_launches_compile_nothing(tmp_path):
     assert all(n > 0 for n in check["variants_after_warmup"].values()), check
     assert check["variants_before"] == {name: 0 for name in check["variants_before"]}, check
     assert check["new_in_sweep"] == {}, check
+    # LongFlow's select kernel: one variant a tile, all compiled at start.
+    assert check["select_warmup_launches"] == 10 and check["select_variants_after_warmup"] >= 10, check
+    assert check["select_sweep_launches"] > 100 and check["select_new_in_sweep"] == 0, check
     assert result.returncode == 0, result.stderr[-3000:]

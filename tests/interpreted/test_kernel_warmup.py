@@ -65,3 +65,26 @@ def test_the_warmup_can_be_turned_off(warmup, monkeypatch):
     monkeypatch.setenv(warmup.ENV, "yes")
     with pytest.raises(ValueError, match=warmup.ENV):
         warmup.enabled()
+
+
+def test_longflow_select_is_launched_once_per_tile_on_an_empty_row(warmup, monkeypatch):
+    from kvsieve.kernels import longflow_fused
+
+    pages = PageManager(RegionConfig(num_layers=2, num_kv_heads=2, head_dim=32, num_pages=64, page_size=16,
+                                     dtype=torch.float32, device="cpu", max_rows=4))
+    calls = []
+    real = longflow_fused.longflow_select
+
+    def recorded(pv_norm, valid, position, protect=None):
+        victim, best = real(pv_norm, valid, position, protect)
+        calls.append((pv_norm.shape, pv_norm.dtype, valid.dtype, position.dtype, valid.stride(0)))
+        assert victim.tolist() == [-1] and best.tolist() == [float("inf")]  # no valid slot: no candidate
+        return victim, best
+
+    monkeypatch.setattr(longflow_fused, "longflow_select", recorded)
+    launches = warmup.warm_up_select(pages)
+    assert launches == len(calls) == 10  # 16, 32, ..., 8,192 slots: every tile up to FUSED_MAX_SLOTS
+    assert [shape[2] for shape, *_ in calls] == warmup.select_tiles(16) == [16 << i for i in range(10)]
+    for shape, pv_dtype, valid_dtype, position_dtype, stride in calls:
+        assert shape[:2] == (1, 2) and pv_dtype == torch.float32 and stride == 2 * shape[2]  # kv head 0 of [1, H, S]
+        assert valid_dtype == pages.valid.dtype and position_dtype == pages.position.dtype
