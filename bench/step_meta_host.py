@@ -23,6 +23,10 @@ not grow with the number of policy classes; each run records `classes`).
 as in a served mixed step, the step folds them into its pass as pool-only
 rows (StepBuilder.fold_pool_rows; py-spy put `_folded_rows` at a fifth of
 the scheduler's samples in the ten-policy batch on an H200, 2026-11-29).
+Each run also lists `new_keys`: the steps past the first whose attention
+segment or policy group met shapes no earlier step had (a graph capture
+each where graphs replay) and what changed, e.g. the `full` rows' prefix
+table crossing a bucket as they grow.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from graph_buckets import DecodeMode  # noqa: E402
 from kvsieve.policies import Need, policy_names  # noqa: E402
 from kvsieve.radix_ext.pages import PageManager, RegionConfig  # noqa: E402
+from kvsieve.radix_ext import region_graphs  # noqa: E402
 from kvsieve.radix_ext.region_graphs import RegionGraphs  # noqa: E402
 from kvsieve.radix_ext.runtime import RUNTIME  # noqa: E402
 from kvsieve.radix_ext.step_meta import StepBuilder  # noqa: E402
@@ -119,10 +124,48 @@ def one_step(builder, graphs, rids, seq_lens, device):
     return step
 
 
+def step_shape(step) -> dict:
+    """What keys a decode step's attention segment, in words (region_graphs.signature)."""
+    rows = step.region
+    return {"rows": int(rows.pool_rows.shape[0]), "width": int(rows.tables.shape[3]),
+            "prefix": int(rows.prefix_slots.shape[1]), "observed_slots": rows.observed_slots,
+            "needs": str(rows.needs)}
+
+
+class NewKeys:
+    """The steps past the first whose attention segment or policy group has
+    shapes no earlier step had: a graph capture each where graphs replay
+    (~15 ms for a whole-stack capture on an H200), and what changed."""
+
+    LIMIT = 20
+
+    def __init__(self):
+        self.attention, self.groups, self.seen = set(), set(), []
+        self.last = None
+
+    def see(self, n: int, step) -> None:
+        key = region_graphs.signature(step, needs_keys=bool(step.region.needs & Need.KEYS))
+        shape = step_shape(step)
+        if key not in self.attention:
+            self.attention.add(key)
+            if n and len(self.seen) < self.LIMIT:
+                changed = {k: [self.last[k], v] for k, v in shape.items() if self.last[k] != v}
+                self.seen.append({"step": n, "segment": "attention", "changed": changed})
+        self.last = shape
+        for group in step.region.groups:
+            gkey = region_graphs.group_signature(group)
+            if gkey is not None and gkey not in self.groups:
+                self.groups.add(gkey)
+                if n and len(self.seen) < self.LIMIT:
+                    self.seen.append({"step": n, "segment": "group", "policy": group.policy.name,
+                                      "action": group.action, "rows": len(group.members), "width": group.width})
+
+
 def measure(rows: int, names: list[str], budget: int, steps: int, device: str) -> dict:
     builder, graphs, rids = setup(rows, names, budget, device, steps)
     seq_lens = [PROMPT + budget + 1] * rows  # past the budget: every step evicts or decides
     times, counts, on_gpu = [], [], []
+    keys = NewKeys()
     for n in range(steps):
         counter = OpCounter() if n >= steps - 8 else None
         sync(device)
@@ -137,6 +180,7 @@ def measure(rows: int, names: list[str], budget: int, steps: int, device: str) -
         sync(device)
         if counter is None and n >= steps // 4:  # after warm-up; the counted steps are slower
             times.append(1000 * (time.perf_counter() - started))
+        keys.see(n, step)  # after the clock
         seq_lens = [s + 1 for s in seq_lens]
     ops = collections.Counter()
     for c in counts:
@@ -150,7 +194,7 @@ def measure(rows: int, names: list[str], budget: int, steps: int, device: str) -
             "host_ms_p90": round(sorted(times)[int(0.9 * len(times))], 3),
             "ops_per_step": round(sum(ops.values()) / len(counts), 1),
             "gpu_ops_per_step": round(sum(on_gpu) / len(on_gpu), 1), "ops_by_name": per_step,
-            "graph_entries": len(graphs.cache), "group_entries": len(graphs.groups)}
+            "graph_entries": len(graphs.cache), "group_entries": len(graphs.groups), "new_keys": keys.seen}
 
 
 def sync(device: str) -> None:
@@ -188,6 +232,8 @@ def main() -> None:
               f"ops {run['ops_per_step']:7.1f} (on the GPU {run['gpu_ops_per_step']:.1f})", flush=True)
         top = list(run["ops_by_name"].items())[:8]
         print("   top ops:", ", ".join(f"{name} {n}" for name, n in top), flush=True)
+        for new in run["new_keys"]:
+            print("   new shapes:", json.dumps(new), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print("->", args.out)
