@@ -117,7 +117,25 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+#: Tries of start_server when its port was taken while the engine started.
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The server's port was free when chosen and taken by another process
+    before the server bound it (the engine starts for ~20 s first)."""
+
+
 def start_server(log_dir: Path, *args: str, timeout: float = 600, env: dict | None = None) -> Server:
+    for attempt in range(PORT_TRIES):
+        try:
+            return _start_server_once(log_dir, *args, timeout=timeout, env=env)
+        except PortTaken:
+            if attempt == PORT_TRIES - 1:
+                raise
+
+
+def _start_server_once(log_dir: Path, *args: str, timeout: float, env: dict | None) -> Server:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     log = open(log_path, "wb")
@@ -129,7 +147,11 @@ def start_server(log_dir: Path, *args: str, timeout: float = 600, env: dict | No
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvsieve serve exited with {proc.returncode}:\n{log_path.read_text()}")
+            text = log_path.read_text()
+            kill_tree(proc)  # its SGLang children may outlive it
+            if "address already in use" in text:
+                raise PortTaken(f"port {port} taken before kvsieve serve bound it:\n{text[-2000:]}")
+            raise RuntimeError(f"kvsieve serve exited with {proc.returncode}:\n{text}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
