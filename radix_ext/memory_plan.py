@@ -33,6 +33,11 @@ are carved out of the KV budget before the pool/region split
                     the longest `full` row a step takes into kvsieve's pass
                     (step_meta.StepBuilder.fold_pool_rows; a longer one
                     keeps the step on SGLang's backend)
+  prefix_attention  the decode kernel's scratch over those tables' width (a
+                    step with `full` rows is that wide: step_meta.StepBuilder.
+                    _decode_prefix_width): fp16 logits of every query head
+                    and the float partial outputs of its key splits, one
+                    step eager and one in the graph pool
 
 Rows: `--max-running-requests` (SGLang's estimate when unset) is lowered at
 start, with a log line saying why, to the most rows whose plan fits in
@@ -101,6 +106,17 @@ def fold_max_tokens(context_len: int) -> int:
     return min(tokens, max(context_len, 0))
 
 
+def prefix_attention_bytes(rows: int, tokens: int, q_heads: int, head_dim: int) -> int:
+    """The decode kernel's scratch for a prefix `tokens` wide
+    (kernels/decode_attention.py): per key and query head an fp16 logit,
+    per KEYS_PER_SPLIT keys a float partial output of head_dim; one step
+    eager, one in the graph pool the captured shapes share."""
+    from kvsieve.kernels.decode_attention import KEYS_PER_SPLIT
+
+    per_token = q_heads * (2 + head_dim * 4 / KEYS_PER_SPLIT)
+    return int(2 * rows * tokens * per_token)
+
+
 def prefix_tables_bytes(rows: int, tokens: int) -> int:
     """The prefix tables of `rows` rows at `tokens` columns, in the live
     step and in every region-graph entry (region_graphs.MAX_SHAPES)."""
@@ -140,6 +156,7 @@ class ModelShape:
     intermediate: int
     context_len: int
     page_size: int = 16
+    q_heads: int = 0  # on this rank; 0: as many as kv_heads
 
 
 @dataclass(frozen=True)
@@ -154,11 +171,12 @@ class Workspace:
     deferred_obs: int = 0
     prefix_tables: int = 0
     fold_tokens: int = 0  # the prefix_tables' width: StepBuilder.fold_max_tokens
+    prefix_attention: int = 0
 
     @property
     def total(self) -> int:
         return (self.page_table + self.decision_scratch + self.pass_scratch + self.forward_graph + self.tbq_staging
-                + self.deferred_obs + self.prefix_tables)
+                + self.deferred_obs + self.prefix_tables + self.prefix_attention)
 
     def parts(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("rows", "columns", "fold_tokens")}
@@ -169,7 +187,7 @@ class Workspace:
                 f"at {self.columns} columns, decision scratch {mib['decision_scratch']}, pass scratch "
                 f"{mib['pass_scratch']}, forward graph {mib['forward_graph']}, TBQ staging {mib['tbq_staging']}, "
                 f"deferred observations {mib['deferred_obs']}, prefix tables {mib['prefix_tables']} "
-                f"at {self.fold_tokens} tokens)")
+                f"and their attention scratch {mib['prefix_attention']} at {self.fold_tokens} tokens)")
 
 
 def slot_bytes(shape: ModelShape) -> int:
@@ -197,7 +215,9 @@ def plan(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -
     fold = fold_max_tokens(shape.context_len)
     return Workspace(rows=rows, columns=columns, page_table=table, decision_scratch=decision,
                      pass_scratch=pass_scratch, forward_graph=forward, tbq_staging=tbq, deferred_obs=deferred,
-                     prefix_tables=prefix_tables_bytes(rows, fold), fold_tokens=fold)
+                     prefix_tables=prefix_tables_bytes(rows, fold), fold_tokens=fold,
+                     prefix_attention=prefix_attention_bytes(rows, fold, shape.q_heads or shape.kv_heads,
+                                                             shape.head_dim))
 
 
 def fit_rows(shape: ModelShape, rows: int, kv_budget: int, region_fraction: float) -> tuple[int, Workspace]:

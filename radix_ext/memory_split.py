@@ -84,6 +84,7 @@ def model_shape(configurator):
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     return memory_plan.ModelShape(
         num_layers=int(mc.num_hidden_layers), kv_heads=int(mc.get_num_kv_heads(configurator.server_args.tp_size)),
+        q_heads=int(mc.get_num_attention_heads(configurator.server_args.tp_size)),
         head_dim=int(mc.head_dim), element=int(torch.empty((), dtype=configurator.kv_cache_dtype).element_size()),
         hidden=hidden, intermediate=int(getattr(text, "intermediate_size", 0) or 4 * hidden),
         context_len=int(mc.context_len), page_size=int(os.environ.get("KVSIEVE_REGION_PAGE_SIZE", "16")))
