@@ -34,10 +34,9 @@ are carved out of the KV budget before the pool/region split
                     (step_meta.StepBuilder.fold_pool_rows; a longer one
                     keeps the step on SGLang's backend)
   prefix_attention  the decode kernel's scratch over those tables' width (a
-                    step with `full` rows is that wide: step_meta.StepBuilder.
-                    _decode_prefix_width): fp16 logits of every query head
-                    and the float partial outputs of its key splits, one
-                    step eager and one in the graph pool
+                    folded `full` row's prefix reaches it): fp16 logits of
+                    every query head and the float partial outputs of its
+                    key splits, one step eager and one in the graph pool
 
 Rows: `--max-running-requests` (SGLang's estimate when unset) is lowered at
 start, with a log line saying why, to the most rows whose plan fits in
