@@ -24,6 +24,16 @@ with each other, not with the engine's. `compiles` lists the Triton
 compiles the log recorded past its first decode step that took at least
 SLOW_COMPILE_S (the rest are loads from Triton's cache): each is a step of
 a second or so in the middle of serving.
+
+`time_budget` splits the decode seconds into the steady part (every step
+at the median step's time: what a steady-window benchmark measures) and
+the excess of the slower steps, by cause: the step's kind when it is not a
+replay (a capture, an eager step), else `host metadata` (its meta_ms over
+HOST_SPIKE times the median: a host read waiting for the GPU, a policy's
+host work such as CrystalCache's breath cycle), `host groups`
+(host_groups_ms likewise: groups run eagerly after the stack) or `other`.
+It says why a whole run's tokens/s and a steady window's differ (issue
+#29 asks for both).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import argparse
 import collections
 import gzip
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -127,6 +138,50 @@ def compiles_while_serving(lines: list[dict]) -> list[dict]:
             if c.get("s", 0) >= SLOW_COMPILE_S]
 
 
+#: A replayed step whose host metadata or groups took this many times the
+#: median is counted as slow for that reason (time_budget).
+HOST_SPIKE = 3.0
+
+
+def time_budget(lines: list[dict]) -> dict:
+    """The decode seconds as steady steps (each at the median step time)
+    plus the excess of the slower ones, by cause; tokens/s of the whole
+    run and at the median step."""
+    steps = []
+    for line, after in zip(lines, lines[1:]):
+        if line.get("mode") != "decode" or "region" not in line:
+            continue
+        before, later = line.get("counters", {}), after.get("counters", {})
+        kind = _kind(line, {k: later.get(k, 0) - before.get(k, 0) for k in later})
+        steps.append((line, kind, after["t"] - line["t"]))
+    if not steps:
+        return {}
+    median = statistics.median(s for _, _, s in steps)
+    meta = statistics.median(line.get("meta_ms", 0.0) for line, _, _ in steps)
+    groups = statistics.median(line.get("host_groups_ms", 0.0) for line, _, _ in steps)
+    excess: dict = collections.Counter()
+    for line, kind, seconds in steps:
+        if seconds - median <= 1e-6:  # at the median, to the clock's rounding
+            continue
+        if kind not in REPLAYS:
+            cause = kind
+        elif line.get("meta_ms", 0.0) > HOST_SPIKE * max(meta, 1e-3):
+            cause = "host metadata"
+        elif line.get("host_groups_ms", 0.0) > HOST_SPIKE * max(groups, 1e-3):
+            cause = "host groups"
+        else:
+            cause = "other"
+        excess[cause] += seconds - median
+    total = sum(s for _, _, s in steps)
+    tokens = sum(line["bs"] for line, _, _ in steps)
+    rows = statistics.median(line["bs"] for line, _, _ in steps)
+    return {"median_step_ms": round(1000 * median, 2), "decode_s": round(total, 3),
+            "steady_s": round(median * len(steps), 3),
+            "excess_s": {k: round(v, 3) for k, v in excess.most_common()},
+            "whole_run_tokens_per_s": round(tokens / total, 1) if total else None,
+            "median_step_tokens_per_s": round(rows / median, 1) if median else None}
+
+
 def churn(lines: list[dict]) -> dict:
     decode = [x for x in lines if x.get("mode") == "decode" and "region" in x]
     kinds: dict = {}
@@ -161,6 +216,7 @@ def churn(lines: list[dict]) -> dict:
         "what_if": {f"{name}, {'first' if first else 'second'} sight": simulate(keys, bucket, first)
                     for name, bucket in BUCKETS.items() for first in (False, True)},
         "compiles": compiles_while_serving(lines),
+        "time_budget": time_budget(lines),
     }
 
 
@@ -183,6 +239,13 @@ def main() -> None:
     slow = result["compiles"]
     print(f"  compiles while serving (>= {SLOW_COMPILE_S} s): {len(slow)}"
           + "".join(f"\n    step {c['step']} ({c['mode']}, {c['bs']} rows): {c['kernel']} {c['s']:.2f} s" for c in slow))
+    budget = result["time_budget"]
+    if budget:
+        print(f"  time: {budget['decode_s']:.2f} s = {budget['steady_s']:.2f} s at the median step "
+              f"({budget['median_step_ms']:.2f} ms) + excess: "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in budget["excess_s"].items()))
+        print(f"  tokens/s: whole run {budget['whole_run_tokens_per_s']}, "
+              f"at the median step {budget['median_step_tokens_per_s']}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print("->", args.out)

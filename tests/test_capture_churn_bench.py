@@ -71,3 +71,26 @@ def test_the_script_reads_a_gzipped_log_and_writes_json(tmp_path):
     assert "6 decode steps; 3 not replays" in proc.stdout
     assert "compiles while serving (>= 0.05 s): 1" in proc.stdout and "_observe_kernel 1.10 s" in proc.stdout
     assert json.loads(out.read_text())["decode_steps"] == 6
+
+
+def test_the_time_budget_splits_the_steady_steps_from_the_slow_ones_by_cause():
+    # Replays of 10 ms, one of 40 ms whose metadata waited (CrystalCache's
+    # breath cycle reads its snapshot back), one of 30 ms whose groups ran
+    # eagerly, and a capture of 100 ms; 128 rows a step.
+    c = {"captures": 0, "replays": 0, "group_captures": 0, "group_replays": 0, "forward_captures": 0,
+         "forward_replays": 0}
+    lines, t = [], 0.0
+    for ms, meta, groups, counter in [(10, 3, 0.2, "forward_replays")] * 5 + [
+            (40, 30, 0.2, "forward_replays"), (30, 3, 20, "forward_replays"), (100, 3, 0.2, "captures"),
+            (10, 3, 0.2, "forward_replays")]:
+        line = step(t, 128, c)
+        line.update(meta_ms=meta, host_groups_ms=groups)
+        lines.append(line)
+        c[counter] += 28 if counter == "captures" else 1
+        t += ms / 1000
+    lines.append({"t": t, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(c)})
+    budget = capture_churn.time_budget(lines)
+    assert budget["median_step_ms"] == 10.0 and budget["decode_s"] == 0.23 and budget["steady_s"] == 0.09
+    assert budget["excess_s"] == {"segment_capture": 0.09, "host metadata": 0.03, "host groups": 0.02}
+    assert budget["median_step_tokens_per_s"] == 12800.0
+    assert budget["whole_run_tokens_per_s"] == round(9 * 128 / 0.23, 1)
