@@ -371,6 +371,8 @@ def _partial_kernel(
     q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     plen = tl.load(PrefixLen + r)
     start = split * keys_per_split  # a multiple of BLOCK, as P_pad is
+    if _dead_split(split, keys_per_split, plen, P_pad):
+        return  # nothing of this row's: the merge skips it
     # The row's own page-table columns: the step is padded to its widest row
     # (one long row widens every row), and the columns past a row's own hold
     # null pages only; its splits past them do nothing (m -1e30, l 0).
@@ -443,29 +445,44 @@ def _partial_kernel(
     tl.store(PartL + r * spm_r + hq * spm_h + split, l, mask=g_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits", "spo_r", "spo_h", "spm_r", "spm_h"])
+@triton.jit
+def _dead_split(split, keys_per_split, plen, P_pad):
+    """A split wholly past the row's prefix and before the region: it sees
+    none of the row's keys (a batch's longer prefix made it). The partial
+    kernel writes nothing for it and the merge reads it as m -1e30, l 0,
+    o 0, what an empty split holds."""
+    start = split * keys_per_split
+    return (start >= plen) & (start + keys_per_split <= P_pad)
+
+
+@triton.jit(do_not_specialize=["num_splits", "keys_per_split", "P_pad", "spo_r", "spo_h", "spm_r", "spm_h"],
+            do_not_specialize_on_alignment=["PrefixLen"])
 def _merge_kernel(
-    PartO, PartM, PartL, Out, Lse, RowMax,
-    num_splits, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
+    PartO, PartM, PartL, Out, Lse, RowMax, PrefixLen,
+    num_splits, keys_per_split, P_pad, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
     DV: tl.constexpr,
 ):
     """Grid (rows, query heads): the splits merged by their log-sum-exp, one
     after another in split order. A split that saw none of the row's keys
     (m -1e30, l 0, o 0) adds exact zeros, so the merge of a row's splits is
     the same bits however many empty splits a batch puts between them (a
-    tree sum pairs them differently by their positions)."""
+    tree sum pairs them differently by their positions); the splits between
+    the row's prefix and the region are not even read (_dead_split)."""
     r = tl.program_id(0)
     hq = tl.program_id(1)
     dv = tl.arange(0, DV)
+    plen = tl.load(PrefixLen + r)
     top = tl.full([], -1e30, tl.float32)
     for sp in range(num_splits):
-        top = tl.maximum(top, tl.load(PartM + r * spm_r + hq * spm_h + sp))
+        live = _dead_split(sp, keys_per_split, plen, P_pad) == 0
+        top = tl.maximum(top, tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30))
     total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([DV], tl.float32)
     for sp in range(num_splits):
-        w = tl.exp(tl.load(PartM + r * spm_r + hq * spm_h + sp) - top)
-        total += tl.load(PartL + r * spm_r + hq * spm_h + sp) * w
-        acc += tl.load(PartO + r * spo_r + hq * spo_h + sp * spo_s + dv) * w
+        live = _dead_split(sp, keys_per_split, plen, P_pad) == 0
+        w = tl.exp(tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30) - top)
+        total += tl.load(PartL + r * spm_r + hq * spm_h + sp, mask=live, other=0.0) * w
+        acc += tl.load(PartO + r * spo_r + hq * spo_h + sp * spo_s + dv, mask=live, other=0.0) * w
     merged = acc / tl.maximum(total, 1e-30)  # a row that sees nothing: 0
     tl.store(Out + r * so_r + hq * so_h + dv, merged.to(Out.dtype.element_ty))
     heads = tl.num_programs(1)
@@ -508,6 +525,16 @@ def _observe_kernel(
     else:
         skip_to = 0
         region_end = row_end
+    # A program whose blocks hold none of the keys it would count returns
+    # at once: in a batch with a long prefix (a `full` row), every other
+    # row's blocks between its own prefix and the region.
+    lo = (first_block + tl.program_id(2) * BLOCKS_PER_PROGRAM) * BLOCK
+    hi = lo + BLOCKS_PER_PROGRAM * BLOCK
+    live = (lo < row_end) & (hi > tl.maximum(P_pad, skip_to))  # region keys
+    if SPARSITY:  # and the row's own prefix keys
+        live = live | ((lo < tl.minimum(plen, P_pad)) & (hi > skip_to))
+    if live == 0:
+        return
     if SPARSITY:
         top = tl.load(RowMax + r * Hq + hq, mask=g_ok, other=0.0)
         sparse_count = tl.zeros([G_PAD], tl.float32)
@@ -702,8 +729,9 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     lse = torch.empty((R, Hq), dtype=torch.float32, device=dev)
     row_max = torch.empty_like(lse)
     _merge_kernel[(R, Hq)](
-        part_o, part_m, part_l, out, lse, row_max,
-        splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
+        part_o, part_m, part_l, out, lse, row_max, prefix_len,
+        splits, per_split, P_pad, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
+        part_m.stride(1),
         out.stride(0), out.stride(1), DV=DV,
     )
     obs = Observations()

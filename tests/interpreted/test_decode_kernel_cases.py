@@ -226,3 +226,42 @@ def test_a_rows_output_is_the_same_bits_beside_longer_rows(kernel, dtype):
                                            num_splits=alone_splits)
     old_batch, _ = kernel.decode_attention(**case, scale=scale, needs=ALL, row_columns=cols, num_splits=batch_splits)
     assert (alone_splits, batch_splits) == (1, 3) and not torch.equal(old_alone[0], old_batch[0])
+
+
+@pytest.mark.parametrize("row_observe", [None, [0b11, 0b01, 0b10]])
+def test_splits_between_a_rows_prefix_and_the_region_are_neither_written_nor_read(kernel, row_observe):
+    """Beside a row of a long prefix (a `full` row of 1,700 tokens: four
+    splits of 512), a short row's splits past its own prefix hold none of
+    its keys: the partial kernel writes nothing there and the merge does not
+    read them (_dead_split), nor does the observation pass read those blocks.
+    The scratch is poisoned first (NaN), so reading an unwritten split or
+    block shows; the outputs still match the reference and the row alone."""
+    R, Hq, Hkv, D, page = 3, 4, 2, 32, 16
+    case = random_case(R, Hq, Hkv, D, 1700, 3, page, torch.float32, seed=13, lengths=[40, 1700, 0], density=0.9)
+    scale = D ** -0.5
+    observe = None if row_observe is None else torch.tensor(row_observe, dtype=torch.int32)
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, **kw):
+        t = real_empty(*shape, dtype=dtype, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned_empty
+    try:
+        out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, row_observe=observe)
+        alone = {key: (v[:1] if torch.is_tensor(v) and v.shape[:1] == (R,) else v) for key, v in case.items()}
+        alone.update(prefix_slots=case["prefix_slots"][:1, :40])
+        single, obs_a = kernel.decode_attention(**alone, scale=scale, needs=ALL,
+                                                row_observe=None if observe is None else observe[:1])
+    finally:
+        torch.empty = real_empty
+    ref_out, ref = reference(case, scale, ALL)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    assert torch.equal(single[0], out[0])  # the same bits alone and beside the long row
+    bits = row_observe or [0b11] * R
+    for r, b in enumerate(bits):
+        if b & 1:
+            torch.testing.assert_close(obs.attention[r], ref.attention[r], atol=1e-4, rtol=2e-3)
+        if b & 2:
+            torch.testing.assert_close(obs.sparsity[r], ref.sparsity[r], atol=1e-6, rtol=0)
+    assert torch.equal(obs_a.attention[0], obs.attention[0]) and torch.equal(obs_a.sparsity[0], obs.sparsity[0])
