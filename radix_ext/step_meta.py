@@ -151,11 +151,8 @@ def prefix_bucket(tokens: int) -> int:
     prefix every step, and each new width restarts the step's captured
     attention and decoder stack (~0.2 s at 128 rows on an H200): growing
     from 64 to 2,112 tokens it crosses 9 widths, not 17. The decode kernel
-    skips the blocks past a row's own prefix, but a wider table is not
-    free: one as wide as the plan (4,096) from the first step, with no
-    capture as rows grow, was measured slower on an H200 (2026-12-01, ten
-    policies, 128 rows: 12.8 ms a replayed step against 10.9-11.7 ms; the
-    run's decode time 8.70 s against 8.64 s with four bucket captures)."""
+    skips the blocks past a row's own prefix. Steps with `full` rows use
+    the planned width instead (StepBuilder._decode_prefix_width)."""
     if tokens <= 512:
         return -(-tokens // 128) * 128
     step = 1 << ((tokens - 1).bit_length() - 2)
@@ -667,6 +664,28 @@ class StepBuilder:
             split.append(group.subset(observing, "observe"))
         return split
 
+    def _decode_prefix_width(self, longest: int, pool_only: bool) -> int:
+        """The prefix table's width in a decode step whose graphs replay.
+        With pool-only (`full`) rows it is the planned width
+        (memory_plan.fold_max_tokens), whatever their length: they grow a
+        token a step, and a bucketed width restarted the captured attention
+        segment and decoder stack at each bucket (4 of the 6 segment
+        captures of a 575-step ten-policy batch on an H200, 2026-12-01).
+        Beside a long prefix the decode kernel skips a short row's splits
+        and observation blocks between its prefix and the region
+        (kernels/decode_attention._dead_split): a replayed step of that
+        batch took 10.76 ms at this width against 10.49 ms bucketed (12.8
+        ms before the kernel skipped them). Without pool-only rows the
+        prefixes are prompts, fixed while a row decodes: bucketed. Never
+        wider than the planned tables by the bucket alone."""
+        pool_width = self.req_to_token.shape[1]
+        if not self.fold_max_tokens:
+            return min(prefix_bucket(longest), pool_width)
+        planned = max(longest, self.fold_max_tokens)
+        if pool_only:
+            return min(planned, pool_width)
+        return min(prefix_bucket(longest), planned, pool_width)
+
     def _region_rows(self, requests, batch_rows, pool_rows, prefix_lens, steps, budgets, prefill,
                      slot_rows: Optional[torch.Tensor] = None, pad: bool = False) -> RegionRows:
         """The region rows of a step. A None in `requests` is a pool-only row
@@ -686,9 +705,7 @@ class StepBuilder:
             self.pages.ensure_width(width)
         P = max(prefix_lens)
         if self.pad_rows and not prefill:
-            # Never wider than the planned prefix tables (memory_plan) by the bucket alone.
-            planned = max(P, self.fold_max_tokens) if self.fold_max_tokens else self.req_to_token.shape[1]
-            P = min(prefix_bucket(P), planned, self.req_to_token.shape[1])
+            P = self._decode_prefix_width(P, pool_only=len(compressed) < real)
         groups = self._groups(requests, compressed, steps, budgets, pool_rows, prefill)
         for group in groups:
             group.width = width if prefill else self._group_width(group, width)

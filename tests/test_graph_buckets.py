@@ -176,6 +176,22 @@ def test_a_bucketed_prefix_width_reads_the_same_keys():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_a_step_with_full_rows_keeps_the_planned_prefix_width():
+    # `full` rows grow their prefix a token a step: their steps use the
+    # planned width (memory_plan.fold_max_tokens) at any length, so growth
+    # never restarts the captured attention; prompts alone are bucketed.
+    builder = step_meta.StepBuilder(None, torch.zeros((2, 8192), dtype=torch.int32), "cpu", pad_rows=True)
+    builder.fold_max_tokens = 4096
+    assert {builder._decode_prefix_width(t, pool_only=True) for t in range(321, 4097)} == {4096}
+    assert builder._decode_prefix_width(100, pool_only=False) == 128
+    # A prompt past the planned width: as wide as it is (no bucket past the
+    # plan), and a bucket never past the token pool's rows.
+    assert builder._decode_prefix_width(5000, pool_only=False) == 5000
+    builder.fold_max_tokens = 0  # nothing planned: buckets
+    assert builder._decode_prefix_width(7000, pool_only=False) == 8192
+    assert builder._decode_prefix_width(300, pool_only=True) == 384
+
+
 def test_thinkv_padded_decisions_change_nothing(monkeypatch):
     # Rows that join at different steps cut at different steps; a row that
     # cuts nothing may run select_decode in a padded deciding group.

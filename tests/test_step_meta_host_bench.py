@@ -37,12 +37,14 @@ def test_cpu_run_counts_each_steps_ops_and_shapes(tmp_path):
 
 def test_the_steps_that_meet_new_shapes_are_named(tmp_path):
     # Plain rows (`full`) fold into the pass with their whole KV as prefix
-    # and grow it every step: 321 tokens at the first step, so the prefix
-    # table (step_meta.prefix_bucket) goes 384 -> 512 at step 64, a new
-    # attention segment; h2o's group keeps its shapes.
-    (run,) = run_bench(tmp_path / "keys.json", "--rows", "8", "--steps", "70", "--policies", "h2o,full")["runs"]
-    assert run["pool_only_rows"] == 4
-    assert run["new_keys"] == [{"step": 64, "segment": "attention", "changed": {"prefix": [384, 512]}}]
+    # and grow it every step (321 tokens at the first step, 390 at the
+    # last): their prefix table is the planned width from the first step
+    # (StepBuilder._decode_prefix_width), so the attention keeps its shapes;
+    # rkv's first decision, at step 15, is a group segment not met before.
+    (run,) = run_bench(tmp_path / "keys.json", "--rows", "8", "--steps", "70", "--policies", "rkv,full")["runs"]
+    assert run["pool_only_rows"] == 4 and run["graph_entries"] == 1
+    assert run["new_keys"] == [{"step": 15, "segment": "group", "policy": "rkv", "action": "decide", "rows": 4,
+                                "width": 20}]
 
 
 def test_a_class_sweep_deals_the_same_rows_over_fewer_policies(tmp_path):
