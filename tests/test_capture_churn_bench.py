@@ -94,3 +94,21 @@ def test_the_time_budget_splits_the_steady_steps_from_the_slow_ones_by_cause():
     assert budget["excess_s"] == {"segment_capture": 0.09, "host metadata": 0.03, "host groups": 0.02}
     assert budget["median_step_tokens_per_s"] == 12800.0
     assert budget["whole_run_tokens_per_s"] == round(9 * 128 / 0.23, 1)
+
+
+def test_the_step_times_plot_is_written_with_each_logs_budget(tmp_path):
+    paths = []
+    for name, lines in (("a", log()), ("b", log()[:-2])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        paths.append(f"{name}={path}")
+    out = tmp_path / "times.png"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/plot_step_times.py"), str(out), *paths],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    import plot_step_times
+    assert [round(t, 6) for t in plot_step_times.step_times(log())] == [20.0] * 6
+    bad = subprocess.run([sys.executable, str(REPO / "bench/plot_step_times.py"), str(out), str(tmp_path / "a.jsonl")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "LABEL=path" in bad.stderr
