@@ -76,7 +76,11 @@ Per (engine, rate), times from the first request's send:
   requests whose streamed completion_tokens ever decreased;
 * per policy of the trace: requests, completed, TPOT p50; for kvsieve also
   the policy kv_usage reports and mean evicted tokens (`usage_mismatch`
-  counts requests whose kv_usage names another policy or none).
+  counts requests whose kv_usage names another policy or none);
+* for kvsieve, `steps`: the rate's forwards from its step log
+  (radix_ext/step_log.summarize) and their `time_budget`
+  (bench/capture_churn.py: the decode seconds as steady steps plus the
+  slow steps' excess by cause: captures, eager steps, host spikes).
 
 Results (--out): written after every rate; a later run with other --engines
 or --rates adds to the same file and records its command in `commands`, and
@@ -820,9 +824,15 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
                    retracted_counter_delta=None if before is None or after is None else after - before)
     log = step_log_path(args, name)
     if is_kvsieve(name) and os.path.exists(log):
+        import capture_churn
         from kvsieve.radix_ext import step_log
 
-        figures["steps"] = step_log.summarize(step_log.read(log), wall_start, time.time())
+        ended = time.time()
+        lines = step_log.read(log)
+        figures["steps"] = step_log.summarize(lines, wall_start, ended)
+        # The rate's decode seconds as steady steps plus the slow steps' excess by cause.
+        figures["steps"]["time_budget"] = capture_churn.time_budget(
+            [x for x in lines if wall_start <= x["t"] < ended])
     entry["rates"][key] = figures
     print(f"{name:8s} rate {key:>5s}/s: {figures['offered']} offered, {figures['completed']} done, "
           f"{figures['unfinished']} unfinished, {figures['unsent']} unsent, {figures['errors']} errors; "

@@ -246,6 +246,8 @@ def test_quick_replays_every_rate_on_both_engines(quick_run):
                 assert steps["modes"]["decode"]["steps"] > 0 and steps["decode_kinds"]
                 # CPU: no graphs, every decode step of compressed rows is eager.
                 assert set(steps["decode_kinds"]) == {"eager"}
+                budget = steps["time_budget"]  # bench/capture_churn.time_budget over the rate's steps
+                assert budget["decode_s"] >= budget["steady_s"] > 0 and set(budget["excess_s"]) <= {"eager"}
 
 
 def test_quick_runs_both_engines_at_equal_kv_memory(quick_run):
