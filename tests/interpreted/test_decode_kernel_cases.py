@@ -6,6 +6,7 @@ comparison at real shapes on a GPU.
 Run by tests/test_triton_kernels.py in a process of its own with
 TRITON_INTERPRET=1 (it must be set before triton.language is first imported)."""
 
+import contextlib
 import os
 
 import pytest
@@ -58,6 +59,23 @@ def reference(case, scale, needs):
     mask = case["region_valid"][table].reshape(R, 1, Hkv, M * page)
     out, obs = attention_ref.attend_rows(case["q"].unsqueeze(1), pk, pv, prefix_mask, rk, rv, mask, scale, needs)
     return out[:, 0], obs
+
+
+@contextlib.contextmanager
+def poisoned_scratch():
+    """torch.empty fills floating buffers with NaN meanwhile: a kernel that
+    reads scratch it never wrote cannot match a reference by luck."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, **kw):
+        t = real_empty(*shape, dtype=dtype, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned_empty
+    try:
+        yield
+    finally:
+        torch.empty = real_empty
 
 
 CASES = [
@@ -134,17 +152,8 @@ def test_sparsity_alone_reads_logits_the_kernel_wrote(kernel, R, Hq, Hkv, D, P, 
     reads logits nobody wrote cannot match the reference by luck."""
     case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=R * 100 + P + 1, lengths=lengths)
     scale = D ** -0.5
-    real_empty = torch.empty
-
-    def poisoned_empty(*shape, dtype=None, **kw):
-        t = real_empty(*shape, dtype=dtype, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = poisoned_empty
-    try:
+    with poisoned_scratch():
         _, obs = kernel.decode_attention(**case, scale=scale, needs=Need.SPARSITY, num_splits=splits, block=16)
-    finally:
-        torch.empty = real_empty
     _, ref = reference(case, scale, Need.SPARSITY)
     assert obs.attention is None and obs.pv_norm is None
     torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=0.02, rtol=0)
@@ -240,21 +249,12 @@ def test_splits_between_a_rows_prefix_and_the_region_are_neither_written_nor_rea
     case = random_case(R, Hq, Hkv, D, 1700, 3, page, torch.float32, seed=13, lengths=[40, 1700, 0], density=0.9)
     scale = D ** -0.5
     observe = None if row_observe is None else torch.tensor(row_observe, dtype=torch.int32)
-    real_empty = torch.empty
-
-    def poisoned_empty(*shape, dtype=None, **kw):
-        t = real_empty(*shape, dtype=dtype, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = poisoned_empty
-    try:
+    with poisoned_scratch():
         out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, row_observe=observe)
         alone = {key: (v[:1] if torch.is_tensor(v) and v.shape[:1] == (R,) else v) for key, v in case.items()}
         alone.update(prefix_slots=case["prefix_slots"][:1, :40])
         single, obs_a = kernel.decode_attention(**alone, scale=scale, needs=ALL,
                                                 row_observe=None if observe is None else observe[:1])
-    finally:
-        torch.empty = real_empty
     ref_out, ref = reference(case, scale, ALL)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
     assert torch.equal(single[0], out[0])  # the same bits alone and beside the long row
