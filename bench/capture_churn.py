@@ -143,10 +143,10 @@ def compiles_while_serving(lines: list[dict]) -> list[dict]:
 HOST_SPIKE = 3.0
 
 
-def time_budget(lines: list[dict]) -> dict:
-    """The decode seconds as steady steps (each at the median step time)
-    plus the excess of the slower ones, by cause; tokens/s of the whole
-    run and at the median step."""
+def decode_steps(lines: list[dict]) -> list[tuple[dict, str, float]]:
+    """Each decode step with compressed rows: its log line, its kind
+    (step_log._kind, from the counters' change up to the next forward) and
+    its seconds (the next forward's start minus its own)."""
     steps = []
     for line, after in zip(lines, lines[1:]):
         if line.get("mode") != "decode" or "region" not in line:
@@ -154,6 +154,14 @@ def time_budget(lines: list[dict]) -> dict:
         before, later = line.get("counters", {}), after.get("counters", {})
         kind = _kind(line, {k: later.get(k, 0) - before.get(k, 0) for k in later})
         steps.append((line, kind, after["t"] - line["t"]))
+    return steps
+
+
+def time_budget(lines: list[dict]) -> dict:
+    """The decode seconds as steady steps (each at the median step time)
+    plus the excess of the slower ones, by cause; tokens/s of the whole
+    run and at the median step."""
+    steps = decode_steps(lines)
     if not steps:
         return {}
     median = statistics.median(s for _, _, s in steps)
@@ -187,14 +195,10 @@ def churn(lines: list[dict]) -> dict:
     kinds: dict = {}
     causes: dict = collections.defaultdict(collections.Counter)
     previous = None
-    for line, after in zip(lines, lines[1:]):
-        if line.get("mode") != "decode" or "region" not in line:
-            continue
-        before, later = line.get("counters", {}), after.get("counters", {})
-        kind = _kind(line, {k: later.get(k, 0) - before.get(k, 0) for k in later})
+    for line, kind, seconds in decode_steps(lines):
         entry = kinds.setdefault(kind, {"steps": 0, "s": 0.0})
         entry["steps"] += 1
-        entry["s"] += after["t"] - line["t"]
+        entry["s"] += seconds
         key = attention_key(line)
         if kind not in REPLAYS and previous is not None:
             changed = [f for f in KEY_FIELDS if key[f] != previous[f]]

@@ -28,8 +28,7 @@ import capture_churn  # noqa: E402
 
 def step_times(lines: list[dict]) -> list[float]:
     """Milliseconds of each decode step with compressed rows."""
-    return [1000 * (after["t"] - line["t"]) for line, after in zip(lines, lines[1:])
-            if line.get("mode") == "decode" and "region" in line]
+    return [1000 * seconds for _, _, seconds in capture_churn.decode_steps(lines)]
 
 
 def main() -> None:
