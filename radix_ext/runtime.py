@@ -332,8 +332,8 @@ class KVRuntime:
                 metrics.EVICTED_TOKENS.labels(req.spec.name).inc(usage["evicted_tokens"])
                 metrics.EVICTION_EVENTS.labels(req.spec.name).inc(usage["eviction_events"])
                 metrics.RETAINED_TOKENS.labels(req.spec.name).dec(req.reported_tokens)
-            metrics.RETAINED_BYTES.labels(req.spec.name).dec(req.reported_bytes)  # each rank its own bytes
-            metrics.RETAINED_ELEMENTS.labels(req.spec.name).dec(2 * cfg.head_dim * req.reported_held)
+            # each rank its own bytes
+            metrics.add_retained(req.spec.name, -req.reported_bytes, -2 * cfg.head_dim * req.reported_held)
             metrics.record_bits_per_element()
         if self.region is not None:
             self.region.free(rid)
@@ -445,8 +445,7 @@ class KVRuntime:
             tokens = held // cfg.heads
             if head_parallel.reports_usage():
                 metrics.RETAINED_TOKENS.labels(req.spec.name).inc(tokens - req.reported_tokens)
-            metrics.RETAINED_BYTES.labels(req.spec.name).inc(size - req.reported_bytes)
-            metrics.RETAINED_ELEMENTS.labels(req.spec.name).inc(2 * cfg.head_dim * (held - req.reported_held))
+            metrics.add_retained(req.spec.name, size - req.reported_bytes, 2 * cfg.head_dim * (held - req.reported_held))
             req.reported_tokens, req.reported_bytes, req.reported_held = tokens, size, held
         metrics.record_bits_per_element()
 

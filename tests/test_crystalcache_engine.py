@@ -37,9 +37,10 @@ def test_budget_above_the_length_equals_full(llama_server):
 
 def test_small_budget_holds_its_ceiling_over_two_breath_cycles(llama_server):
     # Budget 66 (the floor with sinks 4, recent 8), 24 prompt tokens, 140
-    # generated: breath cycles at decode steps 64 and 128 each cut the
-    # request back to 66 (+ the current token), and nothing else evicts, so
-    # every layer evicts exactly twice.
+    # generated: breath cycles (snapshots at decode steps 63 and 127, keep
+    # tables at 65 and 129) each cut the request back to 66 (+ the two
+    # tokens after the snapshot), and nothing else evicts, so every layer
+    # evicts exactly twice.
     params = {"sinks": 4, "recent": 8}
     prompt = [402] + [30 + (7 * i) % 60 for i in range(23)]
     out = complete(llama_server, prompt, {"name": "crystalcache", "budget": 66, "params": params}, max_tokens=140)
@@ -47,11 +48,11 @@ def test_small_budget_holds_its_ceiling_over_two_breath_cycles(llama_server):
     private = kv["private_tokens"]
     assert private == len(prompt) - kv["prefix_cache_hit_tokens"] + 140
     bound = ceiling(params, private - 140, 140, 66)
-    assert bound == 66 + 64 + 1
+    assert bound == 66 + 64 + 2
     assert kv["retained_tokens"] <= bound
-    # after the cut at step 128: at most 66 + 1, then the tokens of steps 129..139
+    # after the cut at step 129: at most 66 + 2, then the tokens of steps 130..139
     # (a request stores one token per generated token: steps 0..139)
-    assert kv["retained_tokens"] <= 66 + 1 + 11
+    assert kv["retained_tokens"] <= 66 + 2 + 10
     assert kv["evicted_tokens"] == private - kv["retained_tokens"] > 0
     assert kv["eviction_events"] == 2 * LAYERS
 
@@ -60,7 +61,7 @@ def test_a_long_prompt_is_cut_at_prefill_and_the_ceiling_holds(llama_server, tin
     # 300 private prompt tokens with sentence delimiters, budget_ratio 0.1:
     # B = max(4 + 128, 30) = 132; the prefill selection keeps the protected
     # trunks (first 4 / last 128 tokens, up to 31 past each) and cuts the
-    # rest; one breath cycle (step 64) cuts back to 132.
+    # rest; one breath cycle (keep table at step 65) cuts back to 132.
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     dot, newline = tok.convert_tokens_to_ids("."), tok.convert_tokens_to_ids("Ċ")
     prompt = [403] + [dot if i % 11 == 10 else newline if i % 29 == 28 else 20 + (13 * i) % 300
@@ -73,8 +74,8 @@ def test_a_long_prompt_is_cut_at_prefill_and_the_ceiling_holds(llama_server, tin
     bound = ceiling({}, private_prompt, 70, final_budget)
     assert bound < private_prompt + 70
     assert kv["retained_tokens"] <= bound
-    # step 64 cut to B = 132 (+1), then steps 65..69
-    assert kv["retained_tokens"] <= 132 + 1 + 5
+    # step 65 cut to B = 132 (+2), then steps 66..69
+    assert kv["retained_tokens"] <= 132 + 2 + 4
     assert kv["evicted_tokens"] == kv["private_tokens"] - kv["retained_tokens"] > 0
     # the prefill cut (every layer) and the breath cycle's (every layer)
     assert kv["eviction_events"] == 2 * LAYERS
@@ -88,7 +89,7 @@ def test_a_kept_prompt_and_generated_trunks(llama_server):
                                           "params": {"sinks": 4, "recent": 8}}, max_tokens=140)
     kv = out["kv_usage"]
     generated_retained = kv["retained_tokens"] - (len(prompt) - kv["prefix_cache_hit_tokens"])
-    assert generated_retained <= 66 + 1 + 11
+    assert generated_retained <= 66 + 2 + 10
     assert kv["evicted_tokens"] == 140 - generated_retained > 0
 
 

@@ -12,23 +12,28 @@ dissolution down to B = max(floor, budget)) with no read-back; the kept
 positions reach every layer's select_prefill as a keep table
 (policies.crystalcache.select), and the trunk table is read at the next step.
 
-Decode (policies.crystalcache.decode / trunks): decoded tokens are kept on
-the device (on_forward_tokens, one gather per forward) and join the trunk
-table at each breath cycle. Every `breath` steps (64), the only steps whose
-decision is due (deciding_rows; observe_decode accumulates the first
-layer's attention in between):
+Decode (policies.crystalcache.decode / trunks): decoded tokens start their
+way to the host where they are made (on_forward_tokens: one gather and one
+HostCopy per forward, policies/host_reads.py) and join the trunk table at
+each breath cycle. Every `breath` steps (64), the only steps whose decision
+is due (deciding_rows; observe_decode accumulates the first layer's
+attention in between):
   * at step s = k*breath - 1 the first layer's decision snapshots, for the
     rows due, its slots' positions, the layer-0 attention they received
     since the last snapshot (accumulated in view.score, first layer only)
-    and the layer-0 key norms (Need.LAYER0_KEYS);
-  * at step s + 1, step_inputs reads the snapshot and the queued tokens back
-    (between steps: the only reads), applies s+1 - last steps of D decay
-    (every cycling request in one tensor loop),
-    gives the queued tokens their received attention (pending sentences),
+    and the layer-0 key norms (Need.LAYER0_KEYS), and starts their copy to
+    the host;
+  * at step s + 2 (two of the request's own forwards later: on a GPU the
+    snapshot's forward has ended while the host prepares that step, so
+    nothing waits, and SGLang's overlap scheduler keeps the GPU busy with
+    step s + 1 during the cycle's host work), step_inputs takes the
+    snapshot and the tokens of the forwards up to s, applies the steps of
+    D decay since the last cycle (every cycling request in one tensor
+    loop), gives the tokens their received attention (pending sentences),
     adds them (closing sentences into trunks), and runs the breath cycle
     (activation, resonance, Hebbian, re-eviction to B); the keep table goes
     to every layer's select_decode of that step. Positions the snapshot had
-    not seen (the current token) are kept.
+    not seen (the tokens of steps s + 1 and s + 2) are kept.
 Between breath cycles nothing is evicted: the decode decision is a no-op
 apart from the first layer's attention accumulation.
 
@@ -57,6 +62,7 @@ Decisions (beyond policies.md):
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 import torch
@@ -68,6 +74,7 @@ from .prefill import ALPHA, T_MAX, TAU_CROSS, TAU_INTRA, TAU_MERGE, TOP_HEADS, D
 from .prefill_batched import prefill_rows
 from .select import evict_outside, keep_table
 from .trunks import CrystalTrunks
+from ..host_reads import HostCopy
 from ..observations import Need, PromptAttention, to_device
 from ..registry import register_policy
 
@@ -108,9 +115,12 @@ class CrystalCacheState(RequestState):
         self.trunks: Optional[CrystalTrunks] = None
         self.base = -1  # absolute position of the first private token
         self.decoding = False  # set by step_inputs: on_tokens then sees generated tokens
-        self.queued: list = []  # (position, id) of generated tokens read back, not yet in the trunk table
+        self.forwards = 0  # forwards that handed this request's tokens over (on_forward_tokens)
+        #: (forward, HostCopy, offset, count): generated tokens on their way to the host, oldest first
+        self.tokens: deque = deque()
+        #: (forward, HostCopy, column): first-layer snapshots on their way to the host, oldest first
+        self.snapshots: deque = deque()
         self.last_decay = 0  # decode step up to which D has decayed
-        self.snapshot = None  # host (positions [H, S], scores, valid, key norms), read from the first layer
         self.keep = None  # (kept positions, judged) to ship at the next step
         self.breaths = 0
 
@@ -134,15 +144,13 @@ class CrystalCachePolicy(Policy):
     observe_graph_safe = True
     crosses_heads = True  # its decode pass reduces over every rank's heads
 
-    _snap = None  # ([(state, taken)], device tensors) of the last first-layer snapshot, until step_inputs reads it
-    _snapped = False  # some request holds a snapshot to run its breath cycle on
     _due = None  # deciding_rows' answer for this step's rows
     heads_size = 1  # tensor-parallel ranks whose heads the snapshot holds
 
     def __init__(self):
-        self._forwards = []
         self._snap_states = {}
-        self._prefills = []  # ([(row, state, ids, base)], PrefillRows on the device) per prompt-ending step
+        #: ([(row, state, ids, base)], shapes, HostCopy of the packed PrefillRows) per prompt-ending step
+        self._prefills = []
         self._delims = None  # (device, delimiter ids there)
 
     def begin_request(self, params, num_layers, num_kv_heads) -> CrystalCacheState:
@@ -168,11 +176,12 @@ class CrystalCachePolicy(Policy):
 
     def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
         # The whole private prompt until its selection; then the kept prompt
-        # (or B after a breath cycle) grows by `breath` + 1 tokens before the
-        # next cycle cuts back to B (the pending sentence counts in B).
+        # (or B after a breath cycle) grows by `breath` + 2 tokens before the
+        # next cycle cuts back to B (the pending sentence counts in B; the
+        # two tokens after the snapshot are not judged yet).
         kept = self.kept_after_prefill(params, private_prompt, budget)
         if params.decode:
-            peak = max(kept, effective_budget(params, budget)) + params.breath + 1
+            peak = max(kept, effective_budget(params, budget)) + params.breath + 2
         else:
             peak = kept + max_new_tokens
         return min(private_prompt + max_new_tokens, max(private_prompt, peak))
@@ -210,7 +219,11 @@ class CrystalCachePolicy(Policy):
             pa.state.base = pa.base
         decoding = [(r, pa) for r, pa in enumerate(rows) if pa.state.params.decode]
         if decoding:
-            self._prefills.append(([(r, pa.state, list(pa.token_ids), pa.base) for r, pa in decoding], out))
+            # Packed and on its way to the host now; adopted once landed.
+            packed = torch.cat([out.keep.double().flatten(), out.trunk.double().flatten(), out.impact.flatten(),
+                                out.trunk_m.flatten(), out.crystal.flatten(), out.trunks.double(), out.graph.flatten()])
+            self._prefills.append(([(r, pa.state, list(pa.token_ids), pa.base) for r, pa in decoding],
+                                   (tuple(out.keep.shape), out.graph.numel()), HostCopy(packed)))
         bases = [pa.base for pa in rows]
         judged = [b + n for b, n in zip(bases, lengths)]
         width = max(judged) + 1
@@ -227,20 +240,19 @@ class CrystalCachePolicy(Policy):
             self._delims = (device, to_device(ids, torch.int64, device))
         return self._delims[1]
 
-    def _adopt_prefills(self) -> None:
-        """The trunk tables of the prompts selected since the last step, to
-        the host in one read (between steps), as each request's decode state."""
-        if not self._prefills:
-            return
-        batches, self._prefills = self._prefills, []
-        host = torch.cat([torch.cat([out.keep.double().flatten(), out.trunk.double().flatten(), out.impact.flatten(),
-                                     out.trunk_m.flatten(), out.crystal.flatten(), out.trunks.double(),
-                                     out.graph.flatten()]) for _, out in batches]).cpu()  # between steps: allowed
-        at = 0
-        for members, out in batches:
-            E, N = out.keep.shape
+    def _adopt_prefills(self, wait: bool) -> None:
+        """The trunk tables of the prompts selected so far, as each request's
+        decode state: those whose copy has landed, or (`wait`, before a
+        breath cycle needs them) all of them. Adopting later than the next
+        step changes nothing: only a breath cycle reads the table."""
+        waiting = []
+        for members, (shape, graph_size), copy in self._prefills:
+            if not (wait or copy.landed):
+                waiting.append((members, (shape, graph_size), copy))
+                continue
+            host, (E, N), at = copy.tensor(), shape, 0
             fields = []
-            for size in (E * N, E * N, E * N, E * N, E * N, E, out.graph.numel()):
+            for size in (E * N, E * N, E * N, E * N, E * N, E, graph_size):
                 fields.append(host[at:at + size])
                 at += size
             keep, trunk, impact, trunk_m, crystal = (f.view(E, N) for f in fields[:5])
@@ -258,6 +270,7 @@ class CrystalCachePolicy(Policy):
                                        trunk_m[r, :T].tolist(), edges)
                 state.trunks = shifted(CrystalTrunks(result, ids, self._delimiters(), state.params.t_max,
                                                     state.params.alpha), base)
+        self._prefills = waiting
 
     def select_prefill(self, batch, view, obs):
         view.score.zero_()
@@ -270,31 +283,43 @@ class CrystalCachePolicy(Policy):
 
     def on_forward_tokens(self, requests, positions, token_ids, hidden_states):
         """The forward's generated tokens of every decoding request in one
-        device gather (kept on the device until a breath cycle reads them)."""
+        device gather, on their way to the host (read at a breath cycle)."""
         taken = [(st, start, n) for st, start, n in requests if st.decoding and st.params.decode]
-        if not taken:
-            return
-        index = [t for _, start, n in taken for t in range(start, start + n)]
-        at = to_device(index, torch.int64, positions.device)
-        self._forwards.append(([(st, n) for st, _, n in taken],
-                               torch.stack([positions[at].long(), token_ids[at].long()])))
+        if taken:
+            index = [t for _, start, n in taken for t in range(start, start + n)]
+            at = to_device(index, torch.int64, positions.device)
+            copy = HostCopy(torch.stack([positions[at].long(), token_ids[at].long()]))
+            offset = 0
+            for st, _, n in taken:
+                st.tokens.append((st.forwards, copy, offset, n))
+                offset += n
+        for st, _, _ in requests:
+            st.forwards += 1
 
-    def _flush_tokens(self) -> None:
-        """Every forward's queued tokens to the host (one read) and onto
-        their requests' queues."""
-        if not self._forwards:
-            return
-        forwards, self._forwards = self._forwards, []
-        host = torch.cat([t for _, t in forwards], dim=1).tolist()  # between steps: allowed
-        at = 0
-        for owners, _ in forwards:
-            for st, n in owners:
-                st.queued.extend(zip(host[0][at:at + n], host[1][at:at + n]))
-                at += n
+    @staticmethod
+    def _taken_tokens(st: CrystalCacheState, upto: int) -> list[tuple[int, int]]:
+        """(position, id) of the request's tokens handed over in its forwards
+        up to `upto` (the snapshot's), oldest first."""
+        out = []
+        while st.tokens and st.tokens[0][0] <= upto:
+            _, copy, at, n = st.tokens.popleft()
+            host = copy.values()
+            out += zip(host[0][at:at + n], host[1][at:at + n])
+        return out
+
+    @staticmethod
+    def _ready_snapshot(st: CrystalCacheState):
+        """The request's oldest snapshot once two of its forwards have been
+        handed over since (its forward has ended on the GPU by then), as
+        (forward, host tensor [4, H, S]); else None. Counting the request's
+        own forwards keeps its decisions the same in any batch."""
+        if not st.snapshots or st.snapshots[0][0] >= st.forwards - 1:
+            return None
+        forward, copy, column = st.snapshots.popleft()
+        return forward, copy.tensor()[:, column]
 
     def step_inputs(self, rows, device):
-        self._adopt_prefills()
-        self._read_snapshot()
+        self._adopt_prefills(wait=False)
         self._due = None
         if not rows or rows[0].prefill:
             for row in rows:
@@ -302,13 +327,13 @@ class CrystalCachePolicy(Policy):
             return {}
         for row in rows:
             row.state.decoding = True
-        if self._snapped:
-            self._flush_tokens()
-            cycle = [row for row in rows if row.state.snapshot is not None]
-            self._decay([row.state for row in cycle], [row.step for row in cycle])
-            for row in cycle:
-                self._breath(row.state, effective_budget(row.state.params, row.budget))
-            self._snapped = False
+        ready = [(row, self._ready_snapshot(row.state)) for row in rows if row.state.snapshots]
+        cycle = [(row, snap) for row, snap in ready if snap is not None]
+        if cycle:
+            self._adopt_prefills(wait=True)
+            self._decay([row.state for row, _ in cycle], [row.step for row, _ in cycle])
+            for row, (forward, snapshot) in cycle:
+                self._breath(row.state, forward, snapshot, effective_budget(row.state.params, row.budget))
         fresh = [row.state.keep for row in rows]
         snap = [row.state.params.decode and (row.step + 1) % row.state.params.breath == 0 for row in rows]
         due = [k is not None or s for k, s in zip(fresh, snap)]
@@ -323,8 +348,7 @@ class CrystalCachePolicy(Policy):
             for row in rows:
                 row.state.keep = None
         # The rows' states in the order select_decode sees them (the deciding
-        # rows, or every row), by row count; those due a snapshot are read
-        # back at the next step.
+        # rows, or every row), by row count; those due a snapshot get one.
         every = [(row.state, s) for row, s in zip(rows, snap)]
         self._snap_states = {len(rows): every, sum(due): [e for e, d in zip(every, due) if d]}
         if any(snap):
@@ -337,18 +361,6 @@ class CrystalCachePolicy(Policy):
         layer's attention (observe_decode)."""
         return self._due if self._due is not None else [False] * len(rows)
 
-    def _read_snapshot(self) -> None:
-        """The first layer's snapshot of the last step, to the host (one read)."""
-        if self._snap is None:
-            return
-        states, tensors = self._snap
-        self._snap = None
-        host = torch.stack([t.double() for t in tensors]).cpu()  # between steps: allowed
-        for i, (st, taken) in enumerate(states):
-            if taken:
-                st.snapshot = host[:, i]
-                self._snapped = True
-
     @staticmethod
     def _decay(states: list, steps: list[int]) -> None:
         """D's per-step decay since each request's last cycle, for all of them at once."""
@@ -360,9 +372,10 @@ class CrystalCachePolicy(Policy):
         for st, step in zip(states, steps):
             st.last_decay = step
 
-    def _breath(self, st: CrystalCacheState, budget: int) -> None:
-        positions, scores, valid, norms = st.snapshot
-        st.snapshot = None
+    def _breath(self, st: CrystalCacheState, forward: int, snapshot: torch.Tensor, budget: int) -> None:
+        """The breath cycle on the snapshot taken in the request's forward
+        `forward`, with the tokens handed over up to it."""
+        positions, scores, valid, norms = snapshot
         valid = valid.bool()
         pos = positions[valid].long()
         if pos.numel() == 0:
@@ -377,8 +390,8 @@ class CrystalCachePolicy(Policy):
         heads = max(self.model.num_q_heads * self.heads_size, 1) if self.model is not None else 1
         scale = TOP_HEADS / heads
         mass_l, count_l = mass.tolist(), count.tolist()
-        tokens = [[p for p, _ in st.queued], [t for _, t in st.queued]]
-        st.queued = []
+        taken = self._taken_tokens(st, forward)
+        tokens = [[p for p, _ in taken], [t for _, t in taken]]
         if st.trunks is None:  # prompt kept in the radix cache: trunks from generated tokens only
             st.trunks = CrystalTrunks(_empty_prefill(), [], self._delimiters(), st.params.t_max, st.params.alpha)
             st.base = min(tokens[0]) if tokens[0] else present[0]
@@ -400,9 +413,9 @@ class CrystalCachePolicy(Policy):
         st.keep = (kept, known + 1)
 
     def end_request(self, state):
-        state.queued = []
+        state.tokens.clear()
+        state.snapshots.clear()
         state.trunks = None
-        state.snapshot = None
 
     # ----- per layer (device) ------------------------------------------------------
     def observe_decode(self, batch, view, obs):
@@ -425,8 +438,10 @@ class CrystalCachePolicy(Policy):
                 # Every rank's heads (tensor parallelism): the breath cycle
                 # sums them per position, and every rank must keep the same set.
                 gather, self.heads_size = batch.heads.gather, batch.heads.size
-                self._snap = (self._snap_states[view.valid.shape[0]], (gather(view.position, 1), gather(view.score.clone(), 1),
-                                                        gather(valid.to(torch.int8), 1), gather(norms, 1)))
+                copy = HostCopy(torch.stack([gather(t, 1).double() for t in (view.position, view.score, valid, norms)]))
+                for column, (state, taken) in enumerate(self._snap_states[view.valid.shape[0]]):
+                    if taken:
+                        state.snapshots.append((state.forwards, copy, column))
                 view.score.masked_fill_(snap.view(-1, 1, 1), 0.0)
         return evict
 
