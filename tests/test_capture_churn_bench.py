@@ -80,20 +80,23 @@ def test_the_time_budget_splits_the_steady_steps_from_the_slow_ones_by_cause():
     c = {"captures": 0, "replays": 0, "group_captures": 0, "group_replays": 0, "forward_captures": 0,
          "forward_replays": 0}
     lines, t = [], 0.0
-    for ms, meta, groups, counter in [(10, 3, 0.2, "forward_replays")] * 5 + [
-            (40, 30, 0.2, "forward_replays"), (30, 3, 20, "forward_replays"), (100, 3, 0.2, "captures"),
-            (10, 3, 0.2, "forward_replays")]:
+    # Then a replayed stack whose deferred groups captured a new shape (60 ms).
+    for ms, meta, groups, counters in [(10, 3, 0.2, ["forward_replays"])] * 5 + [
+            (40, 30, 0.2, ["forward_replays"]), (30, 3, 20, ["forward_replays"]), (100, 3, 0.2, ["captures"]),
+            (10, 3, 0.2, ["forward_replays"]), (60, 3, 50, ["forward_replays", "group_captures"])]:
         line = step(t, 128, c)
         line.update(meta_ms=meta, host_groups_ms=groups)
         lines.append(line)
-        c[counter] += 28 if counter == "captures" else 1
+        for counter in counters:
+            c[counter] += 28 if counter in ("captures", "group_captures") else 1
         t += ms / 1000
     lines.append({"t": t, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(c)})
     budget = capture_churn.time_budget(lines)
-    assert budget["median_step_ms"] == 10.0 and budget["decode_s"] == 0.23 and budget["steady_s"] == 0.09
-    assert budget["excess_s"] == {"segment_capture": 0.09, "host metadata": 0.03, "host groups": 0.02}
+    assert budget["median_step_ms"] == 10.0 and budget["decode_s"] == 0.29 and budget["steady_s"] == 0.1
+    assert budget["excess_s"] == {"segment_capture": 0.09, "group_capture": 0.05, "host metadata": 0.03,
+                                  "host groups": 0.02}
     assert budget["median_step_tokens_per_s"] == 12800.0
-    assert budget["whole_run_tokens_per_s"] == round(9 * 128 / 0.23, 1)
+    assert budget["whole_run_tokens_per_s"] == round(10 * 128 / 0.29, 1)
 
 
 def test_the_step_times_plot_is_written_with_each_logs_budget(tmp_path):

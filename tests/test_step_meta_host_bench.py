@@ -47,6 +47,16 @@ def test_the_steps_that_meet_new_shapes_are_named(tmp_path):
                                 "width": 20}]
 
 
+def test_thinkv_cuts_keep_their_shapes_as_segments_halve(tmp_path):
+    # Budget 256, refresh 128: from step 256 each row cuts its oldest
+    # segments in halves (128 -> 64 -> ... -> 4 tokens held). The cut shapes
+    # start at a segment's width (N 128, T 64), so the halvings replay the
+    # first cut's group; only more segments (targets 4 -> 8, step 568) is new.
+    (run,) = run_bench(tmp_path / "thinkv.json", "--rows", "8", "--steps", "700", "--policies", "thinkv")["runs"]
+    assert [(k["step"], k["policy"], k["action"]) for k in run["new_keys"]] == [
+        (256, "thinkv", "decide"), (568, "thinkv", "decide")]
+
+
 def test_a_class_sweep_deals_the_same_rows_over_fewer_policies(tmp_path):
     runs = run_bench(tmp_path / "classes.json", "--rows", "12", "--steps", "12", "--policies", "h2o,rkv,streaming",
                      "--classes", "1,3")["runs"]

@@ -49,6 +49,11 @@ def _bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+#: The widest cut-segment shapes step_inputs starts from (tokens held per
+#: cut segment): a larger `refresh` buckets its segments above this.
+MAX_CUT_WIDTH = 256
+
+
 #: Width of the server's quantized rows, 4 or 8 bits (radix_ext/memory_split
 #: reads the same setting to size them).
 TBQ_BITS_ENV = "KVSIEVE_TBQ_BITS"
@@ -256,10 +261,15 @@ class ThinKVPolicy(Policy):
         # Each bound rounded up to a power of two: rows out of phase cut in
         # most steps, each step's bounds would otherwise be new shapes
         # (no captured graph to replay); the extra columns are padding.
+        # N and T start at a segment's width and half of it: a segment's
+        # tokens halve cut after cut (128 -> 64 -> ... -> 4), each halving
+        # was a new group shape (a capture of 30-140 ms on an H200,
+        # 2026-12-02), and the padded k-means costs the GPU no more kernels.
         K = _bucket(max(len(t) for t, _, _ in per_row)) if cut else 0
         Kc = _bucket(max(len(c) for _, _, c in per_row)) if cut else 0
-        N = _bucket(max((had for _, _, c in per_row for _, had, _ in c), default=0))
-        T = _bucket(max((keep for _, _, c in per_row for _, _, keep in c), default=0))
+        width = _bucket(min(max(row.state.params.refresh for row in rows), MAX_CUT_WIDTH)) if cut else 0
+        N = max(_bucket(max((had for _, _, c in per_row for _, had, _ in c), default=0)), width)
+        T = max(_bucket(max((keep for _, _, c in per_row for _, _, keep in c), default=0)), width // 2)
         # Flat host lists, one tensor each (a tensor op per row costs more
         # than the row's work at hundreds of rows).
         flat_targets, cut_index, held, kept = [], [], [], []
