@@ -26,7 +26,9 @@ the scheduler's samples in the ten-policy batch on an H200, 2026-11-29).
 Each run also lists `new_keys`: the steps past the first whose attention
 segment or policy group met shapes no earlier step had (a graph capture
 each where graphs replay) and what changed, e.g. the `full` rows' prefix
-table crossing a bucket as they grow.
+table crossing a bucket as they grow, or a group's input shapes against
+the last group of the same policy and action (ThinKV's cut widths halving
+were found this way, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class NewKeys:
     def __init__(self):
         self.attention, self.groups, self.seen = set(), set(), []
         self.last = None
+        self.last_group: dict = {}  # (policy, action) -> group_shape of its last group
 
     def see(self, n: int, step) -> None:
         key = region_graphs.signature(step, needs_keys=bool(step.region.needs & Need.KEYS))
@@ -154,11 +157,27 @@ class NewKeys:
         self.last = shape
         for group in step.region.groups:
             gkey = region_graphs.group_signature(group)
+            shape, kind = group_shape(group), (group.policy.name, group.action)
             if gkey is not None and gkey not in self.groups:
                 self.groups.add(gkey)
                 if n and len(self.seen) < self.LIMIT:
-                    self.seen.append({"step": n, "segment": "group", "policy": group.policy.name,
-                                      "action": group.action, "rows": len(group.members), "width": group.width})
+                    before = self.last_group.get(kind)
+                    entry = {"step": n, "segment": "group", "policy": group.policy.name,
+                             "action": group.action, "rows": len(group.members), "width": group.width}
+                    if before is not None:
+                        entry["changed"] = {k: [before.get(k), v] for k, v in shape.items() if before.get(k) != v}
+                    self.seen.append(entry)
+            self.last_group[kind] = shape
+
+
+def group_shape(group) -> dict:
+    """What keys a policy group's segment, by name (region_graphs.group_signature):
+    its rows and width, each host maximum, each parameter's and input's shape."""
+    out = {"rows": int(group.rows.shape[0]), "width": group.width}
+    out.update({f"max {k}": v for k, v in group.maxima.items()})
+    out.update({f"param {k}": list(t.shape) for k, t in group.params.items()})
+    out.update({f"input {k}": list(t.shape) for k, t in group.inputs.items()})
+    return out
 
 
 def measure(rows: int, names: list[str], budget: int, steps: int, device: str) -> dict:

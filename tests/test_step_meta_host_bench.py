@@ -57,6 +57,21 @@ def test_thinkv_cuts_keep_their_shapes_as_segments_halve(tmp_path):
         (256, "thinkv", "decide"), (568, "thinkv", "decide")]
 
 
+def test_the_ten_policy_batch_meets_new_group_shapes_only_where_expected(tmp_path):
+    # 600 decode steps of the ten-policy mix at 32 rows (the H200 runs'
+    # composition, 2026-12-02): past the first step a group segment is new
+    # only at crystal_kv's first observe, rkv's and skipkv's first
+    # decisions (step 15), thinkv's first cut (256) and its segments
+    # doubling (568: targets 4 -> 8, named by `changed`). A policy whose
+    # inputs change shape as a request ages adds a capture here.
+    ten = "h2o,rkv,streaming,snapkv,skipkv,thinkv,crystal_kv,longflow,crystalcache,full"
+    (run,) = run_bench(tmp_path / "ten.json", "--rows", "32", "--steps", "600", "--policies", ten)["runs"]
+    assert [(k["step"], k["policy"], k["action"]) for k in run["new_keys"]] == [
+        (1, "crystal_kv", "observe"), (15, "rkv", "decide"), (15, "skipkv", "decide"), (256, "thinkv", "decide"),
+        (568, "thinkv", "decide")]
+    assert run["new_keys"][-1]["changed"] == {"input targets": [[4, 4], [4, 8]]}
+
+
 def test_a_class_sweep_deals_the_same_rows_over_fewer_policies(tmp_path):
     runs = run_bench(tmp_path / "classes.json", "--rows", "12", "--steps", "12", "--policies", "h2o,rkv,streaming",
                      "--classes", "1,3")["runs"]
