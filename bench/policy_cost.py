@@ -65,7 +65,10 @@ def _crystalcache_breath_step(policy, batch, view, obs, shape):
     g = torch.Generator(device=view.valid.device).manual_seed(1)
     batch.inputs["keep"] = torch.rand(R, S, generator=g, device=view.valid.device) < 0.5
     batch.inputs["snap"] = torch.ones(R, dtype=torch.bool, device=view.valid.device)
-    policy._snap_states = {R: [(None, True)] * R}  # what step_inputs records for a snapshot step
+    # What step_inputs records for a snapshot step: each row's state, due a
+    # snapshot (select_decode queues its copy on the state).
+    states = [policy.begin_request(policy.Params(), shape["layers"], view.valid.shape[1]) for _ in range(R)]
+    policy._snap_states = {R: [(state, True) for state in states]}
     if view.keys is None:  # Need.LAYER0_KEYS: the first layer's keys
         view.keys = torch.randn(R, view.valid.shape[1], S, shape["head_dim"], generator=g, device=view.valid.device)
 
