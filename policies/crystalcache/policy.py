@@ -10,7 +10,8 @@ summary (saliency, intra- and cross-chunk edge candidates) to
 prompt at once (prefill_batched.prefill_rows: edges, trunks, M_i, D, branch
 dissolution down to B = max(floor, budget)) with no read-back; the kept
 positions reach every layer's select_prefill as a keep table
-(policies.crystalcache.select), and the trunk table is read at the next step.
+(policies.crystalcache.select), and the trunk table starts its copy to the
+host there, adopted by a later step once landed (_adopt_prefills).
 
 Decode (policies.crystalcache.decode / trunks): decoded tokens start their
 way to the host where they are made (on_forward_tokens: one gather and one
