@@ -145,8 +145,7 @@ HOST_SPIKE = 3.0
 
 def decode_steps(lines: list[dict]) -> list[tuple[dict, str, float]]:
     """Each decode step with compressed rows: its log line, its kind
-    (step_log._kind, from the counters' change up to the next forward;
-    `group_capture` for a replayed stack whose deferred groups captured)
+    (step_log._kind, from the counters' change up to the next forward)
     and its seconds (the next forward's start minus its own)."""
     steps = []
     for line, after in zip(lines, lines[1:]):
@@ -154,12 +153,7 @@ def decode_steps(lines: list[dict]) -> list[tuple[dict, str, float]]:
             continue
         before, later = line.get("counters", {}), after.get("counters", {})
         delta = {k: later.get(k, 0) - before.get(k, 0) for k in later}
-        kind = _kind(line, delta)
-        if kind == "stack_replay" and delta.get("group_captures", 0):
-            # Groups deferred past the replayed stack: a new group shape
-            # (e.g. a policy's first decision) captured its segments here.
-            kind = "group_capture"
-        steps.append((line, kind, after["t"] - line["t"]))
+        steps.append((line, _kind(line, delta), after["t"] - line["t"]))
     return steps
 
 

@@ -205,6 +205,13 @@ class Policy:
         rows only."""
         return None
 
+    def decision_gather_slots(self, inputs: dict) -> int:
+        """Keys per (row, head) one decision gathers when that can be more
+        than its view's slots (0: never more), read from the step's inputs'
+        shapes. The engine sizes its decision chunks by the larger, so the
+        decision scratch planned per slot (memory_plan) holds."""
+        return 0
+
     # ----- per-process and per-step host hooks -------------------------------
     model: Optional[ModelInfo] = None
 

@@ -474,7 +474,8 @@ class KvsieveAttnBackend(AttentionBackend):
         heads, slots = p.table.shape[2], group.width * p.config.page_size
         key_rows = None
         if group.action == "decide" and policy.needs & Need.KEYS:
-            key_rows = step_meta.decision_rows_limit(heads, slots, p.config.head_dim, p.k.element_size())
+            key_rows = step_meta.decision_rows_limit(heads, step_meta.decision_key_slots(policy, group.inputs, slots),
+                                                     p.config.head_dim, p.k.element_size())
         return layer_blocks.block_size(len(group.members), heads, slots, p.table.shape[1], self.pass_slots, key_rows)
 
     def _decode_group_block(self, group, run: list, obs: list) -> None:

@@ -135,8 +135,12 @@ def read(path: str) -> list[dict]:
 
 def _kind(line: dict, delta: dict) -> str:
     """What the graphs did in one decode step of compressed rows."""
-    if delta.get("forward_replays", 0) or delta.get("forward_captures", 0):
-        return "stack_capture" if delta.get("forward_captures", 0) else "stack_replay"
+    if delta.get("forward_captures", 0):
+        return "stack_capture"
+    if delta.get("forward_replays", 0):
+        # Groups deferred past the replayed stack capture their segments
+        # when their shape is new (e.g. a policy's first decision).
+        return "group_capture" if delta.get("group_captures", 0) else "stack_replay"
     if delta.get("captures", 0) or delta.get("group_captures", 0):
         return "segment_capture"
     if delta.get("replays", 0):

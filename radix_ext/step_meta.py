@@ -202,6 +202,12 @@ def decision_rows_limit(heads: int, slots: int, head_dim: int, element: int) -> 
     return 1 << (rows.bit_length() - 1)
 
 
+def decision_key_slots(policy, inputs: dict, slots: int) -> int:
+    """Keys per (row, head) a decision of `policy` gathers over a view of
+    `slots`: the view's, or more where the policy says so (thinkv's cuts)."""
+    return max(slots, policy.decision_gather_slots(inputs))
+
+
 def chunk_key_readers(groups: list, limit_of) -> list:
     """Deciding groups of policies that read keys, cut into chunks of at
     most `limit_of(group)` rows (one decision call each; decisions are per
@@ -711,7 +717,8 @@ class StepBuilder:
             group.width = width if prefill else self._group_width(group, width)
         page, dim, element = self.pages.config.page_size, self.pages.config.head_dim, self.pages.k.element_size()
         heads = self.pages.table.shape[2]
-        groups = chunk_key_readers(groups, lambda g: decision_rows_limit(heads, g.width * page, dim, element))
+        groups = chunk_key_readers(groups, lambda g: decision_rows_limit(
+            heads, decision_key_slots(g.policy, g.source.inputs, g.width * page), dim, element))
         needs = later_needs = Need.NONE
         observed = 0
         observe = [0] * real

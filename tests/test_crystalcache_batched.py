@@ -150,3 +150,43 @@ def test_a_batch_keeps_what_each_request_keeps_alone():
     # The cycles cut: each request holds at most B + 2 right after one.
     for s in range(33, steps, 32):
         assert int(together[s][:, 0].sum(-1).max()) <= max(66, budget) + 2
+
+
+class _CopyInFlight:
+    """A prompt's trunk table still on its way to the host (a GPU copy not
+    landed yet; on the CPU every copy has landed at once)."""
+
+    def __init__(self, copy):
+        self.copy, self.landed = copy, False
+
+    def tensor(self):
+        return self.copy.tensor()
+
+
+def test_a_breath_cycle_waits_only_for_its_own_requests_trunk_tables():
+    policy = CrystalCachePolicy()
+    policy.bind_model(ModelInfo(name="t", num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D,
+                                delimiter_ids=frozenset({DELIM})))
+    p = CrystalCacheParams()
+    g = torch.Generator().manual_seed(5)
+    states = []
+    for n in (80, 90):  # two prompts ending in two steps: two packed copies
+        st = policy.begin_request(p, L, H)
+        probe = layer0_probe.ProbeState(n, "cpu", chunk=64)
+        layer0_probe.observe(probe, torch.randn(n, HQ, D, generator=g) * 2, torch.randn(H, n, D, generator=g),
+                             torch.zeros(0, H, D), 1 / math.sqrt(D))
+        setattr(st, layer0_probe.ATTRIBUTE, probe)
+        policy.step_inputs([StepRow(state=st, step=0, pool_row=0, budget=132, prefill=True)], "cpu")
+        ids = [DELIM if i % 9 == 8 else 10 + i % 50 for i in range(n)]
+        policy.prompt_attention_inputs(layer0_probe.collect([(st, ids, 0, 132)]), "cpu")
+        members, shape, copy = policy._prefills[-1]
+        policy._prefills[-1] = (members, shape, _CopyInFlight(copy))
+        states.append(st)
+    first, second = states
+    policy._adopt_prefills()  # nothing landed: nothing adopted
+    assert first.trunks is None and second.trunks is None
+    policy._adopt_prefills(needed={id(second)})  # the second request cycles: only its table is read
+    assert first.trunks is None and second.trunks is not None and len(policy._prefills) == 1
+    policy._prefills[0][2].landed = True
+    policy._adopt_prefills()
+    assert first.trunks is not None and policy._prefills == []

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from kvsieve.policies.crystalcache.prefill import Dissolution, PrefillResult
-from kvsieve.policies.crystalcache.trunks import CrystalTrunks
+from kvsieve.policies.crystalcache.prefill import Dissolution, PrefillResult, encoding_impact
+from kvsieve.policies.crystalcache.trunks import CrystalTrunks, token_impact
 
 
 def _table():
@@ -54,3 +54,14 @@ def test_a_long_unfinished_sentence_closes_at_t_max():
     for p in range(7, 7 + 32):
         t.add_token(p, 42)
     assert t.pending == [] and t.trunks[-1] == list(range(7, 39))
+
+
+def test_a_decoded_token_is_scored_like_a_prompt_token():
+    # The decode phase's per-token M_i (plain floats) is the prefill's S3
+    # (tensors, fed S_i clipped as S1 clips it) for the same attention and id count.
+    ids = [5, 5, 5, 8, 9, 9]
+    saliency = torch.tensor([0.0, 0.05, 3.0, 25.0, 7.5, 19.0], dtype=torch.float64)
+    expected = encoding_impact(saliency.clamp(0.1, 20.0), ids).tolist()
+    counts = [ids.count(t) for t in ids]
+    got = [token_impact(float(s), c) for s, c in zip(saliency, counts)]
+    assert all(math.isclose(g, e, rel_tol=1e-12) for g, e in zip(got, expected)), (got, expected)

@@ -149,3 +149,17 @@ def test_a_forward_names_the_triton_kernels_compiled_in_it(tmp_path, monkeypatch
     assert "compiles" not in second
     summary = step_log.summarize([first, second])
     assert summary["compiles"]["count"] == 1 and summary["compiles"]["kernels"] == {"_partial_kernel": 1}
+
+
+def test_a_replayed_stack_whose_deferred_groups_captured_is_a_group_capture():
+    # The stack replays; a group past it (a policy's first decision) meets a
+    # new shape and captures its segments: the step's time is that capture's.
+    lines = [
+        _line(0.0, "decode", _counters(28, 28, 56, 56, fr=1), region=4),
+        _line(0.08, "decode", _counters(28, 28, 60, 56, fr=2), region=4),
+        _line(0.09, "decode", _counters(28, 28, 60, 56, fr=3), region=4),
+        _line(0.10, "decode", _counters(28, 28, 60, 56, fr=4), region=4),
+    ]
+    kinds = step_log.summarize(lines)["decode_kinds"]
+    assert {k: v["steps"] for k, v in kinds.items()} == {"stack_replay": 2, "group_capture": 1}
+    assert kinds["group_capture"]["max_ms"] == 80.0

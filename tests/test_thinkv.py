@@ -308,3 +308,37 @@ def test_calibration_thresholds_separate_any_three_clear_modes(low, gap1, gap2, 
     assert layers == [0]
     assert centres[0] < theta_low < centres[1] < theta_high < centres[2]
     assert [classify(c, theta_low, theta_high) for c in centres] == [E_, R_, T_]
+
+
+def test_cut_shapes_keep_the_gathered_keys_within_what_the_rows_hold():
+    # The cut shapes start at a segment's width (N 128, so segments halving
+    # keep one shape), but never past twice what a cutting row holds per
+    # head: 40 annealed segments of 4 tokens cut at once (165 held) gather
+    # Kc 64 x N 4 keys, not 64 x 128. The engine chunks a decision by the
+    # larger of its view and what it gathers (decision_gather_slots).
+    from kvsieve.radix_ext.step_meta import decision_key_slots
+    policy = get_policy("thinkv")()
+    params = policy.Params()
+
+    def inputs(*rows):
+        step_rows = []
+        for cuts, held in rows:
+            state = policy.begin_request(params, 2, 2)
+            row = StepRow(state=state, step=0, pool_row=0, budget=64, prefill=True, private_tokens=held)
+            state.last_key = (True, 0, held, 64)
+            state.last_row = ([2] * (len(cuts) + 1), 0, cuts, held)
+            step_rows.append(row)
+        return policy.step_inputs(step_rows, "cpu")
+
+    annealed = [(k, 4, 2) for k in range(40)]
+    one_segment = [(0, 64, 32)]
+    assert inputs((one_segment, 300))["cut_members"].shape == (1, 1, 128)
+    many = inputs((annealed, 165))
+    assert many["cut_members"].shape == (1, 64, 4) and many["cut_centroids"].shape == (1, 64, 2)
+    assert decision_key_slots(policy, many, 300) == 300
+    # Rows padded to each other's cuts: 64 segments x 64 tokens, more than
+    # either row's 300 slots: the decision's chunks are sized for 4,096.
+    both = inputs((annealed, 165), (one_segment, 300))
+    assert both["cut_members"].shape == (2, 64, 64)
+    assert decision_key_slots(policy, both, 300) == 64 * 64
+    assert decision_key_slots(get_policy("rkv")(), both, 300) == 300

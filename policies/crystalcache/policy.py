@@ -74,6 +74,7 @@ from .decode import decay_rows
 from .prefill import ALPHA, T_MAX, TAU_CROSS, TAU_INTRA, TAU_MERGE, TOP_HEADS, Dissolution, PrefillResult
 from .prefill_batched import prefill_rows
 from .select import evict_outside, keep_table
+from .snapshot import PositionTable, position_tables
 from .trunks import CrystalTrunks
 from ..host_reads import HostCopy
 from ..observations import Need, PromptAttention, to_device
@@ -241,14 +242,15 @@ class CrystalCachePolicy(Policy):
             self._delims = (device, to_device(ids, torch.int64, device))
         return self._delims[1]
 
-    def _adopt_prefills(self, wait: bool) -> None:
+    def _adopt_prefills(self, needed=frozenset()) -> None:
         """The trunk tables of the prompts selected so far, as each request's
-        decode state: those whose copy has landed, or (`wait`, before a
-        breath cycle needs them) all of them. Adopting later than the next
-        step changes nothing: only a breath cycle reads the table."""
+        decode state: those whose copy has landed, and (waiting for its copy)
+        any batch holding a request in `needed` (ids of the states about to
+        run a breath cycle). Adopting later than the next step changes
+        nothing: only a breath cycle reads the table."""
         waiting = []
         for members, (shape, graph_size), copy in self._prefills:
-            if not (wait or copy.landed):
+            if not (copy.landed or any(id(state) in needed for _, state, _, _ in members)):
                 waiting.append((members, (shape, graph_size), copy))
                 continue
             host, (E, N), at = copy.tensor(), shape, 0
@@ -320,7 +322,7 @@ class CrystalCachePolicy(Policy):
         return forward, copy.tensor()[:, column]
 
     def step_inputs(self, rows, device):
-        self._adopt_prefills(wait=False)
+        self._adopt_prefills()
         self._due = None
         if not rows or rows[0].prefill:
             for row in rows:
@@ -331,10 +333,11 @@ class CrystalCachePolicy(Policy):
         ready = [(row, self._ready_snapshot(row.state)) for row in rows if row.state.snapshots]
         cycle = [(row, snap) for row, snap in ready if snap is not None]
         if cycle:
-            self._adopt_prefills(wait=True)
+            self._adopt_prefills(needed={id(row.state) for row, _ in cycle})
             self._decay([row.state for row, _ in cycle], [row.step for row, _ in cycle])
-            for row, (forward, snapshot) in cycle:
-                self._breath(row.state, forward, snapshot, effective_budget(row.state.params, row.budget))
+            tables = position_tables([snapshot for _, (_, snapshot) in cycle])
+            for (row, (forward, _)), table in zip(cycle, tables):
+                self._breath(row.state, forward, table, effective_budget(row.state.params, row.budget))
         fresh = [row.state.keep for row in rows]
         snap = [row.state.params.decode and (row.step + 1) % row.state.params.breath == 0 for row in rows]
         due = [k is not None or s for k, s in zip(fresh, snap)]
@@ -373,43 +376,31 @@ class CrystalCachePolicy(Policy):
         for st, step in zip(states, steps):
             st.last_decay = step
 
-    def _breath(self, st: CrystalCacheState, forward: int, snapshot: torch.Tensor, budget: int) -> None:
+    def _breath(self, st: CrystalCacheState, forward: int, table: PositionTable, budget: int) -> None:
         """The breath cycle on the snapshot taken in the request's forward
-        `forward`, with the tokens handed over up to it."""
-        positions, scores, valid, norms = snapshot
-        valid = valid.bool()
-        pos = positions[valid].long()
-        if pos.numel() == 0:
+        `forward` (reduced to `table`), with the tokens handed over up to it."""
+        if not table.present:
             return
-        width = int(pos.max()) + 1
-        mass = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, scores[valid])
-        norm = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, norms[valid])
-        count = torch.zeros(width, dtype=torch.float64).index_add_(0, pos, torch.ones(pos.shape, dtype=torch.float64))
-        here = count > 0
-        present = here.nonzero().flatten().tolist()
         # The snapshot holds every rank's heads: all query heads of the model.
         heads = max(self.model.num_q_heads * self.heads_size, 1) if self.model is not None else 1
         scale = TOP_HEADS / heads
-        mass_l, count_l = mass.tolist(), count.tolist()
         taken = self._taken_tokens(st, forward)
-        tokens = [[p for p, _ in taken], [t for _, t in taken]]
+        positions = [p for p, _ in taken]
         if st.trunks is None:  # prompt kept in the radix cache: trunks from generated tokens only
             st.trunks = CrystalTrunks(_empty_prefill(), [], self._delimiters(), st.params.t_max, st.params.alpha)
-            st.base = min(tokens[0]) if tokens[0] else present[0]
-        trunks = st.trunks
-        waiting = {p for p, _ in trunks.pending} | set(tokens[0])
-        trunks.receive({p: mass_l[p] * scale for p in waiting if p < width and count_l[p]})
-        for p, t in zip(tokens[0], tokens[1]):
-            trunks.add_token(p, t)
+            st.base = min(positions) if positions else table.present[0]
+        trunks, mass = st.trunks, table.mass
+        waiting = {p for p, _ in trunks.pending} | set(positions)
+        trunks.receive({p: mass[p] * scale for p in waiting if p in mass})
+        trunks.add_tokens(taken)
         st.breaths += 1
         if not any(trunks.trunks):  # only an unfinished sentence: nothing to judge
             return
-        inv = dict(zip(present, torch.where(norm > 0, count / norm, 0.0)[here].tolist()))
         # Judge only what the trunk table knows (a token whose id has not
         # been seen yet stays kept until the next cycle).
         known = max(max((g[-1] for g in trunks.trunks if g), default=-1),
                     max((p for p, _ in trunks.pending), default=-1))
-        kept = trunks.breath(inv, budget, n_sink=st.base + st.params.sinks)
+        kept = trunks.breath(table.inv_key_norm, budget, n_sink=st.base + st.params.sinks)
         trunks.drop_dead()
         st.keep = (kept, known + 1)
 

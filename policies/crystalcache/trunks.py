@@ -14,12 +14,11 @@ Decisions (policies.md marks the first; the rest are ours):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
-import torch
-
 from .decode import BREATH, breath_cycle, decay_crystal
-from .prefill import ALPHA, M_MAX, M_MIN, T_MAX, PrefillResult, trunk_impact
+from .prefill import ALPHA, M_MAX, M_MIN, T_MAX, PrefillResult
 
 
 class CrystalTrunks:
@@ -46,22 +45,28 @@ class CrystalTrunks:
             self.received[p] = self.received.get(p, 0.0) + m
 
     def add_token(self, position: int, token_id: int) -> None:
-        self.counts[token_id] += 1
-        self.pending.append((position, token_id))
-        if token_id in self.delimiters or len(self.pending) >= self.t_max:
-            self._close_sentence()
+        self.add_tokens([(position, token_id)])
+
+    def add_tokens(self, tokens) -> None:
+        """(position, id) pairs in order; a delimiter or T_max tokens close a sentence."""
+        counts, pending, delimiters, t_max = self.counts, self.pending, self.delimiters, self.t_max
+        for position, token_id in tokens:
+            counts[token_id] += 1
+            pending.append((position, token_id))
+            if token_id in delimiters or len(pending) >= t_max:
+                self._close_sentence()
+                pending = self.pending
 
     def _close_sentence(self) -> None:
-        positions = [p for p, _ in self.pending]
-        saliency = torch.tensor([min(M_MAX, max(M_MIN, self.received.pop(p, 0.0))) for p in positions])
         # Rarity over the whole context so far: U from the current counts.
-        ids = [t for _, t in self.pending]
-        rarity_ids = [self.counts[t] for t in ids]
-        impact = encoding_impact_counts(saliency, rarity_ids)
-        for p, m in zip(positions, impact.tolist()):
-            self.impact[p] = m
+        # Plain floats: a sentence is a few tokens, a tensor op costs more.
+        received, counts = self.received, self.counts
+        positions = [p for p, _ in self.pending]
+        impact = [token_impact(received.pop(p, 0.0), counts[t]) for p, t in self.pending]
+        self.impact.update(zip(positions, impact))
         self.trunks.append(positions)
-        self.trunk_m.append(trunk_impact(impact, list(range(len(positions)))))
+        top = sorted(impact, reverse=True)[:3]
+        self.trunk_m.append(sum(top) / len(top))  # Eq. 23: mean of the top-3 M_i
         self.crystal.append(0.5)
         self.pending = []
 
@@ -77,11 +82,7 @@ class CrystalTrunks:
         live = [t for t, g in enumerate(self.trunks) if g]
         index = {t: i for i, t in enumerate(live)}
         graph = {(index[a], index[b]): w for (a, b), w in self.graph.items() if a in index and b in index}
-        width = max(self.impact) + 1
-        impact = torch.zeros(width, dtype=torch.float64)
-        impact[torch.tensor(list(self.impact), dtype=torch.int64)] = torch.tensor(list(self.impact.values()),
-                                                                                  dtype=torch.float64)
-        out, graph = breath_cycle([self.trunks[t] for t in live], impact, [self.trunk_m[t] for t in live],
+        out, graph = breath_cycle([self.trunks[t] for t in live], self.impact, [self.trunk_m[t] for t in live],
                                   [self.crystal[t] for t in live], graph, inv_key_norm,
                                   budget - len(self.pending), n_sink, alpha=self.alpha)
         kept = set(out.kept)
@@ -107,7 +108,9 @@ class CrystalTrunks:
         self.impact = {p: m for p, m in self.impact.items() if p in cached}
 
 
-def encoding_impact_counts(saliency: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Eq. 21-22 with the counts given (the context is wider than these tokens)."""
-    rarity = 1.0 / (1.0 + torch.log1p(torch.tensor(counts, dtype=torch.float64)))
-    return (M_MAX * (0.5 * saliency.double() / M_MAX + 0.5 * rarity)).clamp(M_MIN, M_MAX)
+def token_impact(received: float, count: int) -> float:
+    """Eq. 21-22 for one decoded token: its saliency (the attention it
+    received, clipped) and its id's count in the context so far."""
+    saliency = min(M_MAX, max(M_MIN, received))
+    rarity = 1.0 / (1.0 + math.log1p(count))
+    return min(M_MAX, max(M_MIN, M_MAX * (0.5 * saliency / M_MAX + 0.5 * rarity)))

@@ -254,7 +254,7 @@ class ThinKVPolicy(Policy):
     def step_inputs(self, rows: list[StepRow], device) -> dict[str, torch.Tensor]:
         self._read_thought_types(rows)
         per_row = [self._advance(row) for row in rows]
-        cut = any(cuts for _, _, cuts in per_row)
+        cut = any(cuts for _, _, cuts, _ in per_row)
         # No row cuts in this step: empty targets, and the decisions skip the
         # cut on that host-known shape. Else the shapes carry the host's
         # bounds: Kc cut segments, N tokens held, T tokens kept (per segment).
@@ -265,15 +265,20 @@ class ThinKVPolicy(Policy):
         # tokens halve cut after cut (128 -> 64 -> ... -> 4), each halving
         # was a new group shape (a capture of 30-140 ms on an H200,
         # 2026-12-02), and the padded k-means costs the GPU no more kernels.
-        K = _bucket(max(len(t) for t, _, _ in per_row)) if cut else 0
-        Kc = _bucket(max(len(c) for _, _, c in per_row)) if cut else 0
+        # The floor keeps the gathered keys (Kc x N per head) within twice
+        # the tokens a cutting row holds, so within the slots the decision
+        # scratch was planned for, however many segments a step cuts.
+        K = _bucket(max(len(t) for t, _, _, _ in per_row)) if cut else 0
+        Kc = _bucket(max(len(c) for _, _, c, _ in per_row)) if cut else 0
         width = _bucket(min(max(row.state.params.refresh for row in rows), MAX_CUT_WIDTH)) if cut else 0
-        N = max(_bucket(max((had for _, _, c in per_row for _, had, _ in c), default=0)), width)
-        T = max(_bucket(max((keep for _, _, c in per_row for _, _, keep in c), default=0)), width // 2)
+        if cut:
+            width = min(width, _bucket(max(held for _, _, _, held in per_row)) // Kc)
+        N = max(_bucket(max((had for _, _, c, _ in per_row for _, had, _ in c), default=0)), width)
+        T = max(_bucket(max((keep for _, _, c, _ in per_row for _, _, keep in c), default=0)), width // 2)
         # Flat host lists, one tensor each (a tensor op per row costs more
         # than the row's work at hundreds of rows).
         flat_targets, cut_index, held, kept = [], [], [], []
-        for row_targets, _, cuts in per_row:
+        for row_targets, _, cuts, _ in per_row:
             if K:
                 flat_targets += row_targets
                 flat_targets += [_NO_TARGET] * (K - len(row_targets))
@@ -290,7 +295,7 @@ class ThinKVPolicy(Policy):
         kept_t = torch.tensor(kept, dtype=torch.int64).view(R, Kc, 1)
         inputs = {
             "targets": to_device(torch.tensor(flat_targets, dtype=torch.int64).view(R, K), torch.int64, device),
-            "prompt_segments": to_device([p for _, p, _ in per_row], torch.int64, device),
+            "prompt_segments": to_device([p for _, p, _, _ in per_row], torch.int64, device),
             "cut_segments": to_device(torch.tensor(cut_index, dtype=torch.int64).view(R, Kc), torch.int64, device),
             "cut_members": to_device(torch.arange(N) < held_t, torch.bool, device),
             "cut_centroids": to_device(torch.arange(T) < kept_t, torch.bool, device),
@@ -308,10 +313,11 @@ class ThinKVPolicy(Policy):
             return state.layer_mask
         return [layer in self._layer_set for layer in range(state.num_layers)]
 
-    def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int, int]]]:
+    def _advance(self, row: StepRow) -> tuple[list[int], int, list[tuple[int, int, int]], int]:
         """This step of one row: its segment targets, how many prompt
-        segments lead them, and the segments it cuts now as (index, tokens
-        held, tokens kept), both beside the current token."""
+        segments lead them, the segments it cuts now as (index, tokens
+        held, tokens kept), both beside the current token, and the tokens
+        the row holds before the cut (0 when it cuts nothing)."""
         state: ThinKVState = row.state
         key = (row.prefill, row.step, row.private_tokens, row.budget)
         if state.last_key == key:
@@ -345,11 +351,11 @@ class ThinKVPolicy(Policy):
         # newest segment holds the current token, which stays. A row that
         # cuts nothing needs no targets (an empty list: never cut).
         if before is None:
-            result = ([], book.prompt_segments, [])
+            result = ([], book.prompt_segments, [], 0)
             state.last_key, state.last_row = key, result
             return result
         cuts = book.cuts(before)
-        result = (book.targets(), book.prompt_segments, cuts)
+        result = (book.targets(), book.prompt_segments, cuts, sum(before))
         state.last_key, state.last_row = key, result
         return result
 
@@ -448,6 +454,12 @@ class ThinKVPolicy(Policy):
 
     def observe_decode(self, batch, view, obs):
         self._record_sparsity(batch, obs)
+
+    def decision_gather_slots(self, inputs):
+        """The k-means gathers Kc x N keys per (row, head): every row padded
+        to the step's most segments cut and their largest."""
+        members = inputs.get("cut_members")
+        return 0 if members is None else members.shape[1] * members.shape[2]
 
     def deciding_rows(self, rows):
         # A row cuts only where step_inputs listed segments to cut (a
