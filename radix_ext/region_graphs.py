@@ -382,6 +382,17 @@ class RegionGraphs:
         self.replays = 0
         self.group_captures = 0  # group segments (layer graphs)
         self.group_replays = 0
+        #: Group segments made (one per key captured), dropped by the
+        #: MAX_GROUP_SHAPES bound, and made again for a key it had dropped
+        #: (the step log: whether traffic's group captures are new shapes or
+        #: a cache too small for the shapes taking turns).
+        self.group_entries = 0
+        self.group_evictions = 0
+        self.group_recaptures = 0
+        self._evicted_groups: set = set()
+        #: Group segments whose graphs were dropped because the observation
+        #: buffers or the page table grew since their capture.
+        self.group_stale = 0
         #: Attention keys whose capture failed: eager from then on.
         self.eager_keys: set = set()
         # One memory pool for every captured graph: graphs replay one at a
@@ -486,8 +497,14 @@ class RegionGraphs:
                 static, arena = self._static_group(group)
                 entry = self.groups[gkey] = _GroupEntry(group=static, arena=arena)
                 entry.generation = self.observations.generation
+                self.group_entries += 1
+                if gkey in self._evicted_groups:
+                    self.group_recaptures += 1
+                    self._evicted_groups.discard(gkey)
                 while len(self.groups) > MAX_GROUP_SHAPES:
-                    self.groups.popitem(last=False)
+                    dropped, _ = self.groups.popitem(last=False)
+                    self._evicted_groups.add(dropped)
+                    self.group_evictions += 1
                 return entry
             return None
         self.groups.move_to_end(gkey)
@@ -581,6 +598,7 @@ class RegionGraphs:
             return
         self.cache.clear()
         self.groups.clear()
+        self._evicted_groups.clear()  # every key starts over at the new width
         self.recent.clear()
         self.recent_groups.clear()
         self.compositions.clear()
@@ -679,6 +697,7 @@ class RegionGraphs:
             return
         self.watch_table(backend.pages.table)
         if gentry.generation != self.observations.generation or gentry.table_version != self.table_version:
+            self.group_stale += bool(gentry.graphs)
             gentry.graphs.clear()  # they read observation buffers or a page table that have grown since
             gentry.generation, gentry.table_version = self.observations.generation, self.table_version
         graph = gentry.graphs.get(key)

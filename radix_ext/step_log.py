@@ -47,7 +47,8 @@ ENV = "KVSIEVE_STEP_LOG"
 #: Forwards slower than this are counted apart (a Triton compile, an eager
 #: pass over new shapes, a capture).
 SLOW_S = 1.0
-COUNTERS = ("captures", "replays", "group_captures", "group_replays", "resets")
+COUNTERS = ("captures", "replays", "group_captures", "group_replays", "resets", "group_entries", "group_evictions",
+            "group_recaptures", "group_stale", "table_version")
 #: The per-part times a line may carry (record, _write_pending).
 TIMED = ("meta_ms", "host_stack_ms", "host_groups_ms", "gpu_stack_ms", "gpu_groups_ms")
 

@@ -72,7 +72,8 @@ def run_staggered(policy: str) -> dict:
             sizes.append(tuple((g.action, len(g.members)) for g in run.last_step.region.groups))
         return {"outputs": torch.stack(outputs), "state": run.region_state(), "held": run.held_tokens_per_head(),
                 "sizes": sizes, "replays": graphs.replays, "captures": graphs.captures,
-                "group_replays": graphs.group_replays}
+                "group_replays": graphs.group_replays, "group_entries": graphs.group_entries,
+                "group_evictions": graphs.group_evictions, "group_recaptures": graphs.group_recaptures}
     finally:
         run.close()
 
@@ -103,6 +104,10 @@ def test_padded_decisions_change_nothing_but_the_shapes(policy, monkeypatch):
     assert exact["group_replays"] <= STEPS * TINY.layers // 2
     assert padded["group_replays"] >= (STEPS - 6) * TINY.layers * 2
     assert min(exact["replays"], padded["replays"]) >= (STEPS - 2) * TINY.layers
+    # The step log's counters say which: unpadded, the cache of 4 drops
+    # segments and makes them again; padded, every segment is made once.
+    assert exact["group_evictions"] == exact["group_entries"] - 4 and exact["group_recaptures"] > 10
+    assert (padded["group_entries"], padded["group_evictions"], padded["group_recaptures"]) == (2, 0, 0)
 
 
 # ----- row buckets ------------------------------------------------------------------
@@ -206,3 +211,27 @@ def test_thinkv_padded_decisions_change_nothing(monkeypatch):
     for a, b in zip(padded["state"], exact["state"]):
         assert torch.equal(a, b)
     assert padded["replays"] > exact["replays"]
+
+
+def test_group_segments_read_again_after_the_page_table_grew_are_counted_stale():
+    # The page table grows by reallocation (requests growing towards their
+    # budgets): group graphs read the old one and are captured again. The
+    # step log counts those segments (`group_stale`) apart from new shapes.
+    torch.manual_seed(0)
+    graphs = RerunGraphs()
+    run = region_pass("rkv", len(PHASES), PROMPT, STEPS + 16, shapes=TINY, budget=BUDGET, device="cpu",
+                      dtype=torch.float32, graphs=graphs)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for s in range(6):
+            run.run_batch(staggered_batch(run, s), *random_qkv(len(PHASES), TINY, gen, "cpu", torch.float32))
+        assert graphs.group_stale == 0 and graphs.group_captures > 0
+        version = graphs.table_version
+        graphs.watch_table(torch.zeros(1))  # as a reallocated table would
+        captures = graphs.group_captures
+        run.run_batch(staggered_batch(run, 6), *random_qkv(len(PHASES), TINY, gen, "cpu", torch.float32))
+        assert graphs.table_version == version + 2  # the stand-in, then the real table again
+        assert graphs.group_stale >= 1 and graphs.group_captures > captures
+        assert graphs.group_evictions == 0 and graphs.group_recaptures == 0
+    finally:
+        run.close()

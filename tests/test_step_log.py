@@ -75,7 +75,8 @@ def test_a_record_is_one_json_line_per_forward(tmp_path):
               (("rkv", 4), ("h2o", 6), ("rkv", 4))]
     region = SimpleNamespace(real=2, pool_rows=torch.zeros(16), tables=torch.zeros(16, 2, 2, 12), groups=groups,
                              pool_only=1, prefix_slots=torch.zeros(16, 256), observed_slots=96)
-    graphs = SimpleNamespace(captures=1, replays=2, group_captures=3, group_replays=4, resets=5, current=None,
+    graphs = SimpleNamespace(captures=1, replays=2, group_captures=3, group_replays=4, resets=5, group_entries=6,
+                             group_evictions=7, group_recaptures=8, group_stale=9, table_version=10, current=None,
                              defer_step=True)
     log.record(fb, SimpleNamespace(region=region), graphs, None, meta_ms=1.25)
     log.mark("forward")
@@ -95,7 +96,9 @@ def test_a_record_is_one_json_line_per_forward(tmp_path):
     # What decides whether the groups run after the stack: the slots kept of each row, each group's columns.
     assert first["observed_slots"] == 96 and first["deferred"] is True
     assert first["group_widths"] == [["h2o", 6], ["rkv", 4]]
-    assert first["counters"] == {"captures": 1, "replays": 2, "group_captures": 3, "group_replays": 4, "resets": 5}
+    assert first["counters"] == {"captures": 1, "replays": 2, "group_captures": 3, "group_replays": 4, "resets": 5,
+                                 "group_entries": 6, "group_evictions": 7, "group_recaptures": 8, "group_stale": 9,
+                                 "table_version": 10}
     assert "region" not in second and "counters" not in second
     assert json.loads(path.read_text().splitlines()[0]) == first
 
