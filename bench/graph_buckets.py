@@ -27,6 +27,12 @@ the attention of every row, and each policy group. Reported per run:
 `whole_step_share` (steps whose every segment replays: the decoder stack
 may replay whole), `distinct_shapes` (distinct whole compositions).
 `--policies a+b+c` deals the requests to several policies in turn (a mixed batch).
+The group segments' cache: `group_entries` (segments made), `group_evictions`
+(dropped by its bound, `--group-shapes`, the engine's
+KVSIEVE_REGION_GROUP_SHAPES) and `group_recaptures` (made again after being
+dropped): whether a mix's groups take turns among more shapes than it keeps.
+`--first-sight 1` captures a key the first time (the engine's default since
+2026-11-29); 0 the second time among the recent keys (the runs before).
 
 Workload: `--rows` requests decoding at any time, each generating a length
 drawn uniformly from [gen/2, 3 gen/2]; an ended request's successor joins
@@ -53,6 +59,7 @@ import torch
 from kvsieve.policies import get_policy
 from kvsieve.radix_ext import metrics  # noqa: F401  (the runtime records into it)
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
+from kvsieve.radix_ext import region_graphs
 from kvsieve.radix_ext.region_graphs import RegionGraphs, signature
 from kvsieve.radix_ext.runtime import RUNTIME
 from kvsieve.radix_ext.step_meta import StepBuilder
@@ -73,8 +80,12 @@ class DecodeMode:
         return False
 
 
-def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets: bool, seed: int = 0) -> dict:
+def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets: bool, seed: int = 0,
+             group_shapes: int | None = None, first_sight: bool = False) -> dict:
     rng = random.Random(seed)
+    bound = region_graphs.MAX_GROUP_SHAPES
+    if group_shapes is not None:
+        region_graphs.MAX_GROUP_SHAPES = group_shapes
     # "a+b+c": a mixed batch, requests dealt to the policies in turn.
     names = policy.split("+")
     classes = [get_policy(n) for n in names]
@@ -93,6 +104,7 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
     req_to_token = torch.zeros((max_rows, PROMPT + max_gen + 2), dtype=torch.int32)
     builder = StepBuilder(RUNTIME.region, req_to_token, "cpu", pad_rows=buckets)
     graphs = RegionGraphs(rerun=True)
+    graphs.first_sight = first_sight
     free_rows = list(range(max_rows - 1, 0, -1))  # row 0: SGLang's padding row
     live = {}  # rid -> [pool row, step, length]
     pending = []  # steps at which a successor joins
@@ -159,11 +171,14 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
         RUNTIME.region = None
         for c, pads in zip(classes, pads_decisions):
             c.pads_decisions = pads
+        shapes, region_graphs.MAX_GROUP_SHAPES = region_graphs.MAX_GROUP_SHAPES, bound
     return {"policy": policy, "rows": rows, "mode": "buckets" if buckets else "exact", "steps": steps,
             "replayed_share": round(replayed / steps, 4), "eager_steps": eager,
             "group_replayed_share": round(groups_replayed / max(groups_seen, 1), 4),
             "whole_step_share": round(whole / steps, 4), "groups_per_step": round(groups_seen / steps, 2),
-            "distinct_shapes": len(keys), "graph_resets": graphs.resets,
+            "distinct_shapes": len(keys), "graph_resets": graphs.resets, "group_shapes": shapes,
+            "first_sight": first_sight, "group_entries": graphs.group_entries,
+            "group_evictions": graphs.group_evictions, "group_recaptures": graphs.group_recaptures,
             "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1),
             "build_ms_per_step": round(1000 * sum(build_s) / len(build_s), 2),
             "build_ms_p50": round(1000 * sorted(build_s)[len(build_s) // 2], 2)}
@@ -177,6 +192,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--policies", default="streaming,h2o,rkv,skipkv,crystal_kv,thinkv")
     ap.add_argument("--modes", default="exact,buckets", help="exact, buckets or both")
+    ap.add_argument("--group-shapes", type=int, nargs="+", default=[region_graphs.MAX_GROUP_SHAPES],
+                    help="bounds of the group segments' cache to run (KVSIEVE_REGION_GROUP_SHAPES)")
+    ap.add_argument("--first-sight", type=int, choices=(0, 1), default=0)
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the host side of one step: one thread, as the scheduler runs it
@@ -184,15 +202,18 @@ def main() -> None:
     for rows in args.rows:
         for policy in args.policies.split(","):
             for buckets in [m == "buckets" for m in args.modes.split(",")]:
-                r = simulate(policy, rows, args.steps, args.gen, args.budget, buckets)
-                results.append(r)
-                print(json.dumps(r), flush=True)
+                for bound in args.group_shapes:
+                    r = simulate(policy, rows, args.steps, args.gen, args.budget, buckets, group_shapes=bound,
+                                 first_sight=bool(args.first_sight))
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
     if args.out:
         doc = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
                "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads (CPU; host side only)",
                "command": "python bench/graph_buckets.py " + " ".join(
                    [f"--rows {' '.join(map(str, args.rows))}", f"--steps {args.steps}", f"--gen {args.gen}",
                     f"--budget {args.budget}", f"--policies {args.policies}", f"--modes {args.modes}",
+                    f"--group-shapes {' '.join(map(str, args.group_shapes))}", f"--first-sight {args.first_sight}",
                     f"--out {args.out}"]),
                "results": results}
         with open(args.out, "w") as f:
