@@ -828,11 +828,10 @@ def run_rate(engine, name, rate, requests, args, specs, entry, t0) -> bool:
         from kvsieve.radix_ext import step_log
 
         ended = time.time()
-        lines = step_log.read(log)
-        figures["steps"] = step_log.summarize(lines, wall_start, ended)
+        rate_lines = [x for x in step_log.read(log) if wall_start <= x["t"] < ended]  # this rate's forwards
+        figures["steps"] = step_log.summarize(rate_lines)
         # The rate's decode seconds as steady steps plus the slow steps' excess by cause.
-        figures["steps"]["time_budget"] = capture_churn.time_budget(
-            [x for x in lines if wall_start <= x["t"] < ended])
+        figures["steps"]["time_budget"] = capture_churn.time_budget(rate_lines)
     entry["rates"][key] = figures
     print(f"{name:8s} rate {key:>5s}/s: {figures['offered']} offered, {figures['completed']} done, "
           f"{figures['unfinished']} unfinished, {figures['unsent']} unsent, {figures['errors']} errors; "

@@ -327,14 +327,17 @@ def test_replica_killed_mid_load(ray_service):
     # bursts; at the kill the client had 707-1,152 chunks of each stream and
     # the killed replica had finished its streams, so none failed). Once (CI,
     # 2026-11-29) even 2,400 ended before a replica was seen busy: then the
-    # round is run again with longer streams.
+    # round is run again with longer streams, and so is one where most
+    # streams had ended by the time a replica was seen busy (CI, 2026-12-02:
+    # 10 of 12 had, the two left were on the other replica, none failed).
     for max_tokens in (2400, 4800, LONG_TOKENS - 400):
         outs, threads, victim = _load_and_pick_victim(s, max_tokens)
-        if victim is not None:
+        if victim is not None and sum(o.get("finish") is None for o in outs) >= len(outs) // 2:
             break
         for t in threads:
             t.join(timeout=300)
-        print(f"streams of {max_tokens} tokens ended before a replica was seen generating; longer ones next")
+        victim = None
+        print(f"streams of {max_tokens} tokens (mostly) ended before a replica was seen generating; longer ones next")
     assert victim is not None, "every round's streams ended before a replica was seen generating"
     victim.kill()  # SIGKILL: no drain, no goodbye
     print("streams ended before the kill:", sum(o["finish"] is not None for o in outs),

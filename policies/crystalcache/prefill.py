@@ -168,12 +168,13 @@ class Dissolution:
     protected: list[bool] = field(default_factory=list)
 
 
-def branch_dissolve(trunks: list[list[int]], impact: torch.Tensor, trunk_m: list[float], crystal: list[float],
-                    budget: int, n: int, n_sink: int = N_SINK, w_recent: int = W_RECENT,
+def branch_dissolve(trunks: list[list[int]], impact: torch.Tensor | dict[int, float], trunk_m: list[float],
+                    crystal: list[float], budget: int, n: int, n_sink: int = N_SINK, w_recent: int = W_RECENT,
                     alpha: float = ALPHA) -> Dissolution:
     """S5 + S6 (Algorithm 1): score = max(D, alpha * minmax(log(1 + M̄))) over the
     unprotected trunks; bottom-up proportional retention with the N_MIN rule,
-    then M_i-ranked tokens in the partially kept trunk."""
+    then M_i-ranked tokens in the partially kept trunk. `impact`: M_i by
+    position (the prefill's tensor, or the decode phase's table)."""
     protected = [any(p < n_sink or p >= n - w_recent for p in g) for g in trunks]
     alive = [t for t, prot in enumerate(trunks) if not protected[t]]
     prot_size = sum(len(g) for g, p in zip(trunks, protected) if p)
