@@ -83,9 +83,6 @@ class DecodeMode:
 def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets: bool, seed: int = 0,
              group_shapes: int | None = None, first_sight: bool = False) -> dict:
     rng = random.Random(seed)
-    bound = region_graphs.MAX_GROUP_SHAPES
-    if group_shapes is not None:
-        region_graphs.MAX_GROUP_SHAPES = group_shapes
     # "a+b+c": a mixed batch, requests dealt to the policies in turn.
     names = policy.split("+")
     classes = [get_policy(n) for n in names]
@@ -104,6 +101,8 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
     req_to_token = torch.zeros((max_rows, PROMPT + max_gen + 2), dtype=torch.int32)
     builder = StepBuilder(RUNTIME.region, req_to_token, "cpu", pad_rows=buckets)
     graphs = RegionGraphs(rerun=True)
+    if group_shapes is not None:
+        graphs.max_group_shapes = group_shapes
     graphs.first_sight = first_sight
     free_rows = list(range(max_rows - 1, 0, -1))  # row 0: SGLang's padding row
     live = {}  # rid -> [pool row, step, length]
@@ -171,12 +170,11 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
         RUNTIME.region = None
         for c, pads in zip(classes, pads_decisions):
             c.pads_decisions = pads
-        shapes, region_graphs.MAX_GROUP_SHAPES = region_graphs.MAX_GROUP_SHAPES, bound
     return {"policy": policy, "rows": rows, "mode": "buckets" if buckets else "exact", "steps": steps,
             "replayed_share": round(replayed / steps, 4), "eager_steps": eager,
             "group_replayed_share": round(groups_replayed / max(groups_seen, 1), 4),
             "whole_step_share": round(whole / steps, 4), "groups_per_step": round(groups_seen / steps, 2),
-            "distinct_shapes": len(keys), "graph_resets": graphs.resets, "group_shapes": shapes,
+            "distinct_shapes": len(keys), "graph_resets": graphs.resets, "group_shapes": graphs.max_group_shapes,
             "first_sight": first_sight, "group_entries": graphs.group_entries,
             "group_evictions": graphs.group_evictions, "group_recaptures": graphs.group_recaptures,
             "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1),

@@ -25,11 +25,11 @@ tests/interpreted/test_region_store.py compares them, bit for bit but for
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kvsieve.env_flags import flag
 
 from . import interpreter_compat
 
@@ -43,10 +43,7 @@ BLOCK_SLOTS = 256
 
 
 def enabled() -> bool:
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag(ENV)
 
 
 @triton.jit(do_not_specialize=["M", "st_r", "st_h", "sk_b", "sk_h", "sv_b", "sv_h"],  # the shapes' integers

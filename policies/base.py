@@ -170,6 +170,14 @@ class Policy:
     #: work in a k-th of the kernels.
     decides_layers_apart: ClassVar[bool] = False
 
+    @classmethod
+    def decide_graph_safe(cls, input_names) -> bool:
+        """Whether this step's decide pass may be captured, given the names
+        of its step inputs (those step_inputs returned): graph_safe, unless
+        a policy whose select_decode hands something to the host on some
+        steps only (CrystalCache's snapshot) says its other steps may be."""
+        return cls.graph_safe
+
     # ----- batched decisions (inside the forward) ---------------------------
     def select_prefill(self, batch: PolicyBatch, view: SlotView, obs: Observations) -> Optional[torch.Tensor]:
         """The private prompt of `batch.layer` is stored for every row; may

@@ -58,13 +58,13 @@ KVSIEVE_FORWARD_GRAPHS=0 turns this off (region graphs stay on).
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from kvsieve.env_flags import flag
 from kvsieve.policies.skipkv import steering
 
 from . import faults, metrics, region_graphs
@@ -73,17 +73,14 @@ logger = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
-    return os.environ.get("KVSIEVE_FORWARD_GRAPHS", "1") == "1"
+    return flag("KVSIEVE_FORWARD_GRAPHS")
 
 
 def folds_pool_rows() -> bool:
     """KVSIEVE_FOLD_POOL_ROWS: "1" (default) runs `full` rows beside
     compressed ones in our pass where whole-stack graphs run; "0" leaves
     them on SGLang's backend."""
-    value = os.environ.get("KVSIEVE_FOLD_POOL_ROWS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVSIEVE_FOLD_POOL_ROWS must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag("KVSIEVE_FOLD_POOL_ROWS")
 
 
 @dataclass

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 
 import torch
 
+from kvsieve.env_flags import flag
 from kvsieve.kernels import longflow_fused
 from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.policies import Need
@@ -47,10 +47,7 @@ OBSERVED = (Need.ATTENTION, Need.PV_NORM, Need.SPARSITY)
 
 
 def enabled() -> bool:
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag(ENV)
 
 
 def need_sets() -> list[Need]:

@@ -36,7 +36,9 @@ execute), so no step is applied twice. Decode steps' policy
 groups are padded to bucketed row counts (step_meta.row_bucket,
 StepBuilder.pad_groups), so requests joining and ending mostly keep the shapes.
 Only policies marked `graph_safe` are captured (and the observing rows of
-those marked `observe_graph_safe`): their decisions are tensor functions of
+those marked `observe_graph_safe`, and the deciding rows of a step whose
+inputs the policy's `decide_graph_safe` accepts: CrystalCache's keep step,
+not its snapshot step): their decisions are tensor functions of
 (batch, view, obs) whose host-side inputs (shapes, parameter maxima) are
 part of the key; other groups run eagerly between the replayed segments.
 Under tensor parallelism a group with a collective (a policy that
@@ -55,6 +57,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from kvsieve.env_flags import flag
 
 from . import byte_pack, faults, head_parallel, metrics
 
@@ -90,20 +94,14 @@ def defer_enabled() -> bool:
     """KVSIEVE_DEFER_GROUPS: "1" (default) runs the policy groups' passes
     after the decoder stack where whole-stack graphs exist (RegionGraphs.
     defer_groups); "0" keeps them inside each layer."""
-    value = os.environ.get("KVSIEVE_DEFER_GROUPS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVSIEVE_DEFER_GROUPS must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag("KVSIEVE_DEFER_GROUPS")
 
 
 def eager_defer_enabled() -> bool:
     """KVSIEVE_EAGER_DEFER: "1" (default) lets a step of new shapes (no
     graph entry: it runs eagerly) defer its groups too, where groups are
     deferred at all (defer_enabled); "0" runs them inside each layer."""
-    value = os.environ.get("KVSIEVE_EAGER_DEFER", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVSIEVE_EAGER_DEFER must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag("KVSIEVE_EAGER_DEFER")
 
 
 def mode() -> str:
@@ -124,20 +122,14 @@ def first_sight_enabled() -> bool:
     first sighting eagerly and captures it when it comes back. Under traffic
     most new shapes came back (bench/capture_churn.py: 70 of 93 on an H200),
     so the eager step was paid on top of the capture."""
-    value = os.environ.get("KVSIEVE_CAPTURE_FIRST_SIGHT", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVSIEVE_CAPTURE_FIRST_SIGHT must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag("KVSIEVE_CAPTURE_FIRST_SIGHT")
 
 
 def buckets_enabled() -> bool:
     """KVSIEVE_GRAPH_BUCKETS: "1" (default) pads decode steps' policy groups
     to bucketed row counts (step_meta.row_bucket) where graphs replay; "0"
     keys graphs by exact row counts."""
-    value = os.environ.get("KVSIEVE_GRAPH_BUCKETS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KVSIEVE_GRAPH_BUCKETS must be 0 or 1, not {value!r}")
-    return value == "1"
+    return flag("KVSIEVE_GRAPH_BUCKETS")
 
 
 def enabled(device) -> bool:
@@ -185,7 +177,9 @@ def capturable(group) -> bool:
     policy = group.policy
     if policy.crosses_heads and head_parallel.SHARDS.size > 1:
         return False
-    return policy.graph_safe or (group.action == "observe" and policy.observe_graph_safe)
+    if group.action == "observe":
+        return policy.graph_safe or policy.observe_graph_safe
+    return policy.decide_graph_safe(group.input_names())
 
 
 def _shapes(tensors) -> tuple:
@@ -383,10 +377,12 @@ class RegionGraphs:
         self.group_captures = 0  # group segments (layer graphs)
         self.group_replays = 0
         #: Group segments made (one per key captured), dropped by the
-        #: MAX_GROUP_SHAPES bound, and made again for a key it had dropped
+        #: max_group_shapes bound, and made again for a key it had dropped
         #: (the step log: whether traffic's group captures are new shapes or
         #: a cache too small for the shapes taking turns).
         self.group_entries = 0
+        #: Group segments kept (MAX_GROUP_SHAPES, KVSIEVE_REGION_GROUP_SHAPES; benches vary it).
+        self.max_group_shapes = MAX_GROUP_SHAPES
         self.group_evictions = 0
         self.group_recaptures = 0
         self._evicted_groups: set = set()
@@ -501,7 +497,7 @@ class RegionGraphs:
                 if gkey in self._evicted_groups:
                     self.group_recaptures += 1
                     self._evicted_groups.discard(gkey)
-                while len(self.groups) > MAX_GROUP_SHAPES:
+                while len(self.groups) > self.max_group_shapes:
                     dropped, _ = self.groups.popitem(last=False)
                     self._evicted_groups.add(dropped)
                     self.group_evictions += 1

@@ -283,6 +283,10 @@ class PolicyGroup:
         n = len(self.members)
         return all(t.dim() > 0 and t.shape[0] == n for t in (*self.params.values(), *self.inputs.values()))
 
+    def input_names(self) -> frozenset:
+        """The names of its step inputs (Policy.decide_graph_safe reads them)."""
+        return frozenset(self.inputs)
+
     def subset(self, positions: list[int], action: str) -> "PolicyGroup":
         """The group restricted to its members at `positions` (host list)."""
         take = RowIndex(positions).take
@@ -378,6 +382,10 @@ class GroupDraft:
 
     def splittable(self) -> bool:
         return self.source.splittable
+
+    def input_names(self) -> frozenset:
+        """The names of its class's step inputs (Policy.decide_graph_safe)."""
+        return frozenset(self.source.inputs)
 
     def subset(self, positions: list[int], action: str) -> "GroupDraft":
         """The draft restricted to its rows at `positions`."""
@@ -820,7 +828,7 @@ class StepBuilder:
         # class take distinct ones, as a class's rows are padded together.
         extra, used = 0, {}
         for group in padded:
-            n, pads = len(group.members), pads_of[id(group)]
+            pads = pads_of[id(group)]
             if not pads:
                 continue
             start = used.get(type(group.policy), 0)

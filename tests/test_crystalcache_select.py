@@ -3,7 +3,7 @@ every head), checked slot by slot by hand."""
 
 import torch
 
-from kvsieve.policies.crystalcache.select import evict_outside, keep_table
+from kvsieve.policies.crystalcache.select import evict_outside, keep_table, keep_width
 from kvsieve.policies.observations import SlotView
 
 
@@ -29,3 +29,13 @@ def test_evict_outside_applies_one_set_to_every_head_and_keeps_newer_positions()
     mask = evict_outside(table, view)
     assert mask.tolist() == [[[False, True, False, True], [True, False, False, False]],
                              [[False, True, False, False], [False, False, True, False]]]
+
+
+def test_keep_widths_come_in_buckets_that_hold_every_position():
+    # The keep step's graph is keyed by the table's shape: cycles ~64
+    # positions apart share a width, and a width always covers the positions.
+    widths = [keep_width(n) for n in range(1, 20000, 7)]
+    assert all(w >= n for w, n in zip(widths, range(1, 20000, 7)))
+    assert all(w <= max(n + 255, 1.25 * n) for w, n in zip(widths, range(1, 20000, 7)))
+    assert len(set(widths)) <= 24
+    assert keep_width(300) == keep_width(300 + 64) == 512

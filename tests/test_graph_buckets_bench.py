@@ -18,7 +18,7 @@ def test_the_group_cache_bound_decides_evictions_and_recaptures():
     runs = {n: graph_buckets.simulate("rkv+h2o+streaming", 12, 60, 48, 32, buckets=True, group_shapes=n,
                                       first_sight=True) for n in (2, 256)}
     small, large = runs[2], runs[256]
-    assert region_graphs.MAX_GROUP_SHAPES == bound  # the bench puts the engine's bound back
+    assert region_graphs.MAX_GROUP_SHAPES == bound  # a run's bound is its own graphs', not the engine's
     assert (small["group_shapes"], large["group_shapes"]) == (2, 256)
     assert large["group_evictions"] == 0 and large["group_recaptures"] == 0
     assert small["group_evictions"] == small["group_entries"] - 2

@@ -80,14 +80,18 @@ def test_the_pass_on_captured_static_tensors_equals_the_eager_pass(policy):
 
 
 def test_crystalcache_replays_the_steps_between_its_breath_cycles_equal_to_the_eager_pass():
-    # observe_graph_safe: the observing steps replay, the two deciding steps
-    # of each cycle (snapshot, keep table) run eagerly. Budget 62 (the floor
-    # with no sinks or recent window) and breath 16: cycles at steps 64, 80
-    # and 96 evict.
+    # observe_graph_safe: the observing steps replay; of the two deciding
+    # steps of each cycle the keep step is captured too (decide_graph_safe,
+    # its table's width in buckets, so later cycles replay it) and the
+    # snapshot step runs eagerly. Budget 62 (the floor with no sinks or
+    # recent window) and breath 16: cycles at steps 64, 80 and 96 evict.
     args = dict(rows=ROWS, prompt=PROMPT, steps=100, shapes=TINY, budget=62, device="cpu", dtype=torch.float32,
                 params={"sinks": 0, "recent": 0, "breath": 16}, token_ids=True)
     eager = run_steps("crystalcache", **args)
-    graphed = run_steps("crystalcache", **args, graphs=RerunGraphs())
+    graphs = RerunGraphs()
+    graphed = run_steps("crystalcache", **args, graphs=graphs)
+    actions = sorted(key[0][1] for key in graphs.groups)
+    assert actions == ["decide", "observe"]  # one keep-step segment for every cycle
     captures, replays = graphed["captures_replays"]
     assert captures >= TINY.layers and replays > TINY.layers * 100 // 2
     assert torch.equal(eager["outputs"], graphed["outputs"])

@@ -73,7 +73,7 @@ from ..base import Policy, PolicyParams, RequestState
 from .decode import decay_rows
 from .prefill import ALPHA, T_MAX, TAU_CROSS, TAU_INTRA, TAU_MERGE, TOP_HEADS, Dissolution, PrefillResult
 from .prefill_batched import prefill_rows
-from .select import evict_outside, keep_table
+from .select import evict_outside, keep_table, keep_width
 from .snapshot import PositionTable, position_tables
 from .trunks import CrystalTrunks
 from ..host_reads import HostCopy
@@ -142,7 +142,8 @@ class CrystalCachePolicy(Policy):
     #: The first layer only: its attention and slot state are all the policy reads.
     observes_first_layer_only = True
     #: observe_decode is tensor work on the view alone; select_decode hands
-    #: its snapshot to the host, so only the steps between decisions replay.
+    #: its snapshot to the host on a snapshot step (decide_graph_safe), so
+    #: the steps between snapshots replay, the keep step included.
     observe_graph_safe = True
     crosses_heads = True  # its decode pass reduces over every rank's heads
 
@@ -154,6 +155,14 @@ class CrystalCachePolicy(Policy):
         #: ([(row, state, ids, base)], shapes, HostCopy of the packed PrefillRows) per prompt-ending step
         self._prefills = []
         self._delims = None  # (device, delimiter ids there)
+
+    @classmethod
+    def decide_graph_safe(cls, input_names) -> bool:
+        """A step that applies keep tables only is tensor work (evict_outside,
+        the score's sum): captured, its table's width in buckets (keep_width)
+        so that a cycle replays what an earlier one captured. A snapshot step
+        hands its copy to the host and records which request took it: eager."""
+        return "snap" not in input_names
 
     def begin_request(self, params, num_layers, num_kv_heads) -> CrystalCacheState:
         return CrystalCacheState(params, num_layers, num_kv_heads)
@@ -348,7 +357,7 @@ class CrystalCachePolicy(Policy):
         if any(k is not None for k in fresh):
             kept = [k[0] if k is not None else [] for k in fresh]
             judged = [k[1] if k is not None else 0 for k in fresh]
-            inputs["keep"] = to_device(keep_table(kept, judged, max(judged) + 1), torch.bool, device)
+            inputs["keep"] = to_device(keep_table(kept, judged, keep_width(max(judged) + 1)), torch.bool, device)
             for row in rows:
                 row.state.keep = None
         # The rows' states in the order select_decode sees them (the deciding

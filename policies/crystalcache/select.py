@@ -26,6 +26,19 @@ def keep_table(kept: list[list[int]], judged: list[int], width: int) -> torch.Te
     return table
 
 
+def keep_width(positions: int) -> int:
+    """A keep table's width for `positions` judged positions and the one
+    after them: multiples of 256 up to 1,024, then four per doubling (1,280,
+    1,536, 1,792, 2,048, 2,560, ...: at most a quarter more). The keep
+    step's graph is keyed by the table's shape; every breath cycle judges
+    ~`breath` positions more, and an exact width made each cycle a new
+    capture. Positions past `judged` are kept, so the padding changes nothing."""
+    if positions <= 1024:
+        return max(256, -(-positions // 256) * 256)
+    step = 1 << ((positions - 1).bit_length() - 3)
+    return -(-positions // step) * step
+
+
 def evict_outside(table: torch.Tensor, view: SlotView) -> torch.Tensor:
     """Eviction mask [R, H, S]: valid slots whose position the table does not
     keep; positions past the table's width are kept."""

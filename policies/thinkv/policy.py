@@ -272,7 +272,7 @@ class ThinKVPolicy(Policy):
         Kc = _bucket(max(len(c) for _, _, c, _ in per_row)) if cut else 0
         width = _bucket(min(max(row.state.params.refresh for row in rows), MAX_CUT_WIDTH)) if cut else 0
         if cut:
-            width = min(width, _bucket(max(held for _, _, _, held in per_row)) // Kc)
+            width = min(width, _bucket(max(row_held for _, _, _, row_held in per_row)) // Kc)
         N = max(_bucket(max((had for _, _, c, _ in per_row for _, had, _ in c), default=0)), width)
         T = max(_bucket(max((keep for _, _, c, _ in per_row for _, _, keep in c), default=0)), width // 2)
         # Flat host lists, one tensor each (a tensor op per row costs more
