@@ -28,7 +28,9 @@ a second or so in the middle of serving.
 `time_budget` splits the decode seconds into the steady part (every step
 at the median step's time: what a steady-window benchmark measures) and
 the excess of the slower steps, by cause: the step's kind when it is not a
-replay (a capture, an eager step), else `host metadata` (its meta_ms over
+replay (a capture, an eager step; `captures_after_resets_s`: the part of
+those within RESET_WINDOW steps of a graph reset, which a width change
+causes), else `host metadata` (its meta_ms over
 HOST_SPIKE times the median: a host read waiting for the GPU, a policy's
 host work such as CrystalCache's breath cycle), `host groups`
 (host_groups_ms likewise: groups run eagerly after the stack) or `other`.
@@ -138,6 +140,11 @@ def compiles_while_serving(lines: list[dict]) -> list[dict]:
             if c.get("s", 0) >= SLOW_COMPILE_S]
 
 
+#: Decode steps after a graph reset (the page table's width changed:
+#: region_graphs.reset drops every graph) whose captures time_budget
+#: counts as the reset's (`captures_after_resets_s`).
+RESET_WINDOW = 64
+
 #: A replayed step whose host metadata or groups took this many times the
 #: median is counted as slow for that reason (time_budget).
 HOST_SPIKE = 3.0
@@ -168,9 +175,17 @@ def time_budget(lines: list[dict]) -> dict:
     meta = statistics.median(line.get("meta_ms", 0.0) for line, _, _ in steps)
     groups = statistics.median(line.get("host_groups_ms", 0.0) for line, _, _ in steps)
     excess: dict = collections.Counter()
-    for line, kind, seconds in steps:
+    after_reset = 0.0
+    last_reset = None
+    # A reset happens in a step's begin_step, before its line's counters are read.
+    resets_before = {id(b): a.get("counters", {}).get("resets", 0) for a, b in zip(lines, lines[1:])}
+    for i, (line, kind, seconds) in enumerate(steps):
+        if line.get("counters", {}).get("resets", 0) > resets_before.get(id(line), 0):
+            last_reset = i
         if seconds - median <= 1e-6:  # at the median, to the clock's rounding
             continue
+        if kind not in REPLAYS and last_reset is not None and i - last_reset < RESET_WINDOW:
+            after_reset += seconds - median
         if kind not in REPLAYS:
             cause = kind
         elif line.get("meta_ms", 0.0) > HOST_SPIKE * max(meta, 1e-3):
@@ -186,6 +201,7 @@ def time_budget(lines: list[dict]) -> dict:
     return {"median_step_ms": round(1000 * median, 2), "decode_s": round(total, 3),
             "steady_s": round(median * len(steps), 3),
             "excess_s": {k: round(v, 3) for k, v in excess.most_common()},
+            "captures_after_resets_s": round(after_reset, 3),
             "whole_run_tokens_per_s": round(tokens / total, 1) if total else None,
             "median_step_tokens_per_s": round(rows / median, 1) if median else None}
 
@@ -248,6 +264,8 @@ def main() -> None:
         print(f"  time: {budget['decode_s']:.2f} s = {budget['steady_s']:.2f} s at the median step "
               f"({budget['median_step_ms']:.2f} ms) + excess: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in budget["excess_s"].items()))
+        print(f"  of the excess, captures within {RESET_WINDOW} steps of a graph reset (a width change): "
+              f"{budget['captures_after_resets_s']:.2f} s")
         print(f"  tokens/s: whole run {budget['whole_run_tokens_per_s']}, "
               f"at the median step {budget['median_step_tokens_per_s']}")
     if args.out:

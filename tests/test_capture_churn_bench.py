@@ -115,3 +115,27 @@ def test_the_step_times_plot_is_written_with_each_logs_budget(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench/plot_step_times.py"), str(out), str(tmp_path / "a.jsonl")],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "LABEL=path" in bad.stderr
+
+
+def test_captures_soon_after_a_graph_reset_are_counted_as_the_resets():
+    # A width change resets every graph in its step (which then captures);
+    # the steps that capture again within RESET_WINDOW steps are the
+    # reset's cost, a capture later is not.
+    c = {"captures": 0, "replays": 0, "group_captures": 0, "group_replays": 0, "forward_captures": 0,
+         "forward_replays": 0, "resets": 0}
+    lines, t = [], 0.0
+    group_capture = ["forward_replays", "group_captures"]  # a replayed stack whose deferred groups captured
+    plan = ([(10, [])] * 5 + [(100, ["resets", "captures"]), (60, group_capture)] + [(10, [])] * 3
+            + [(10, [])] * capture_churn.RESET_WINDOW + [(50, group_capture)])
+    for ms, counters in plan:
+        c["resets"] += "resets" in counters  # in begin_step: this step's line shows it
+        lines.append(step(t, 128, c))
+        c["forward_replays"] += not counters
+        for counter in counters:
+            c[counter] += 28 if counter != "resets" else 0
+        t += ms / 1000
+    lines.append({"t": t, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(c)})
+    budget = capture_churn.time_budget(lines)
+    assert budget["median_step_ms"] == 10.0
+    assert budget["captures_after_resets_s"] == 0.09 + 0.05  # the reset's step and the capture after it
+    assert budget["excess_s"]["group_capture"] == 0.05 + 0.04  # the late one counts there, not as the reset's
