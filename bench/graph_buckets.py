@@ -34,6 +34,16 @@ dropped): whether a mix's groups take turns among more shapes than it keeps.
 `--first-sight 1` captures a key the first time (the engine's default since
 2026-11-29); 0 the second time among the recent keys (the runs before).
 
+`--rows-from STEPS.jsonl[.gz]` (a served step log, radix_ext/step_log.py)
+replaces the steady workload below with the log's own: at each measured
+step as many requests decode as the log's decode step had compressed
+rows (requests join, or those nearest their end leave, to follow it), so
+a traffic run's joins and ends drive the keys. Every run reports
+`distinct_group_keys` and `new_group_keys_by_change`: each policy group
+key seen for the first time, by what differs from the last key of the
+same policy and action (its rows, its width, its maxima, its inputs'
+names or shapes): which part of the key makes traffic's group captures.
+
 Workload: `--rows` requests decoding at any time, each generating a length
 drawn uniformly from [gen/2, 3 gen/2]; an ended request's successor joins
 1-4 steps later (its prefill). The first requests start together with
@@ -47,6 +57,8 @@ Prompts of 64 tokens kept in the radix cache, budget `--budget`.
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
 import json
 import platform
 import random
@@ -60,7 +72,7 @@ from kvsieve.policies import get_policy
 from kvsieve.radix_ext import metrics  # noqa: F401  (the runtime records into it)
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext import region_graphs
-from kvsieve.radix_ext.region_graphs import RegionGraphs, signature
+from kvsieve.radix_ext.region_graphs import RegionGraphs, group_signature, signature
 from kvsieve.radix_ext.runtime import RUNTIME
 from kvsieve.radix_ext.step_meta import StepBuilder
 
@@ -80,9 +92,38 @@ class DecodeMode:
         return False
 
 
+def key_change(old: tuple, new: tuple) -> str:
+    """Which parts of a policy group's key (region_graphs.group_signature)
+    differ between two keys of the same policy and action: its rows, its
+    page-table width, its parameter maxima, its inputs (names, or their
+    shapes past the rows), or only which of two same-shaped groups it is."""
+    (o_key, o_ordinal), (n_key, n_ordinal) = old, new
+    changed = []
+    if o_key[6][0][0] != n_key[6][0][0]:
+        changed.append("rows")
+    if o_key[2] != n_key[2]:
+        changed.append("width")
+    if o_key[3] != n_key[3]:
+        changed.append("maxima")
+    if o_key[4:6] != n_key[4:6]:
+        changed.append("input names")
+    elif [(s[1:], d) for s, d in o_key[6]] != [(s[1:], d) for s, d in n_key[6]]:
+        changed.append("input shapes")
+    if not changed and o_ordinal != n_ordinal:
+        changed.append("ordinal")
+    return " + ".join(changed) or "none"
+
+
 def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets: bool, seed: int = 0,
-             group_shapes: int | None = None, first_sight: bool = False) -> dict:
+             group_shapes: int | None = None, first_sight: bool = False,
+             rows_trace: list[int] | None = None) -> dict:
+    """One run. `rows_trace`: the rows decoding at each measured step (a
+    served step log's decode batch sizes, read_rows_trace): requests join
+    and end to follow it, as under traffic, instead of `rows` at all
+    times; the run then lasts len(rows_trace) steps."""
     rng = random.Random(seed)
+    if rows_trace:
+        steps, rows = len(rows_trace), max(rows_trace)
     # "a+b+c": a mixed batch, requests dealt to the policies in turn.
     names = policy.split("+")
     classes = [get_policy(n) for n in names]
@@ -121,14 +162,26 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
         req.prefix_len = PROMPT
         live[rid] = [row, 0, length]
 
-    for _ in range(rows):
+    def follow(target: int) -> None:
+        """Requests join or end (those nearest their end first) until `target` decode."""
+        while len(live) < target:
+            join(gen // 2)
+        for rid in sorted(live, key=lambda r: live[r][2] - live[r][1])[:max(len(live) - target, 0)]:
+            free_rows.append(live.pop(rid)[0])
+            RUNTIME.end(rid)
+
+    for _ in range(rows_trace[0] if rows_trace else rows):
         join(1)
     replayed = eager = padded = real = groups_seen = groups_replayed = whole = 0
+    seen_group_keys, last_group_key = set(), {}
+    new_group_keys: collections.Counter = collections.Counter()
     build_s = []  # host time of each measured step's StepBuilder.build
     keys = set()
     started = time.perf_counter()
     try:
         for s in range(-gen, steps):  # s < 0: warm-up, not counted
+            if rows_trace:
+                follow(rows_trace[max(s, 0)])
             for _ in [t for t in pending if t <= s]:
                 join(gen // 2)
             pending = [t for t in pending if t > s]
@@ -149,6 +202,19 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
             was_captured = entry is not None and any(e is entry for e in captured_before)
             group_hits = [g is not None and id(g) in groups_before for _, g in graphs.step_groups]
             if s >= 0:
+                ordinal: collections.Counter = collections.Counter()
+                for group in region.groups:
+                    gkey = group_signature(group)
+                    if gkey is None:
+                        continue
+                    key = (gkey, ordinal[gkey])
+                    ordinal[gkey] += 1
+                    kind = (gkey[0], gkey[1])
+                    if key not in seen_group_keys:
+                        seen_group_keys.add(key)
+                        change = key_change(last_group_key[kind], key) if kind in last_group_key else "first"
+                        new_group_keys[f"{gkey[0].removesuffix('Policy')} {gkey[1]}: {change}"] += 1
+                    last_group_key[kind] = key
                 replayed += was_captured
                 eager += not was_captured
                 groups_seen += len(region.groups)
@@ -163,7 +229,8 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
                     row = live.pop(r)[0]
                     RUNTIME.end(r)
                     free_rows.append(row)
-                    pending.append(s + rng.randint(1, 4))
+                    if not rows_trace:  # a successor joins 1-4 steps later (its prefill)
+                        pending.append(s + rng.randint(1, 4))
     finally:
         for r in list(live):
             RUNTIME.end(r)
@@ -177,9 +244,24 @@ def simulate(policy: str, rows: int, steps: int, gen: int, budget: int, buckets:
             "distinct_shapes": len(keys), "graph_resets": graphs.resets, "group_shapes": graphs.max_group_shapes,
             "first_sight": first_sight, "group_entries": graphs.group_entries,
             "group_evictions": graphs.group_evictions, "group_recaptures": graphs.group_recaptures,
+            "rows_traced": bool(rows_trace), "distinct_group_keys": len(seen_group_keys),
+            "new_group_keys_by_change": dict(new_group_keys.most_common()),
             "padded_row_share": round(padded / max(real, 1), 4), "host_seconds": round(time.perf_counter() - started, 1),
             "build_ms_per_step": round(1000 * sum(build_s) / len(build_s), 2),
             "build_ms_p50": round(1000 * sorted(build_s)[len(build_s) // 2], 2)}
+
+
+def read_rows_trace(path: str) -> list[int]:
+    """The compressed rows of each decode step of a kvsieve step log
+    (radix_ext/step_log.py), in order: a served run's joins and ends."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    trace = [line["region"] - line.get("pool_only", 0) for line in lines
+             if line.get("mode") == "decode" and line.get("region")]
+    if not trace:
+        raise SystemExit(f"{path}: no decode step with compressed rows")
+    return trace
 
 
 def main() -> None:
@@ -193,16 +275,21 @@ def main() -> None:
     ap.add_argument("--group-shapes", type=int, nargs="+", default=[region_graphs.MAX_GROUP_SHAPES],
                     help="bounds of the group segments' cache to run (KVSIEVE_REGION_GROUP_SHAPES)")
     ap.add_argument("--first-sight", type=int, choices=(0, 1), default=0)
+    ap.add_argument("--rows-from", default=None,
+                    help="a served step log (.jsonl[.gz]): its decode steps' rows, in order, replace --rows/--steps")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the host side of one step: one thread, as the scheduler runs it
+    trace = read_rows_trace(args.rows_from) if args.rows_from else None
+    if trace:
+        args.rows = [max(trace)]
     results = []
     for rows in args.rows:
         for policy in args.policies.split(","):
             for buckets in [m == "buckets" for m in args.modes.split(",")]:
                 for bound in args.group_shapes:
                     r = simulate(policy, rows, args.steps, args.gen, args.budget, buckets, group_shapes=bound,
-                                 first_sight=bool(args.first_sight))
+                                 first_sight=bool(args.first_sight), rows_trace=trace)
                     results.append(r)
                     print(json.dumps(r), flush=True)
     if args.out:
@@ -212,7 +299,7 @@ def main() -> None:
                    [f"--rows {' '.join(map(str, args.rows))}", f"--steps {args.steps}", f"--gen {args.gen}",
                     f"--budget {args.budget}", f"--policies {args.policies}", f"--modes {args.modes}",
                     f"--group-shapes {' '.join(map(str, args.group_shapes))}", f"--first-sight {args.first_sight}",
-                    f"--out {args.out}"]),
+                    *([f"--rows-from {args.rows_from}"] if args.rows_from else []), f"--out {args.out}"]),
                "results": results}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -330,9 +330,14 @@ def test_replica_killed_mid_load(ray_service):
     # round is run again with longer streams, and so is one where most
     # streams had ended by the time a replica was seen busy (CI, 2026-12-02:
     # 10 of 12 had, the two left were on the other replica, none failed).
+    # The client's chunks lag the replicas' tokens under load (CI, 2026-12-02,
+    # later: 11 streams at 1,084-2,357 of 2,400 chunks when the busy replica
+    # was killed, and none failed: its streams had been generated in full),
+    # so a round counts only if half the streams are short of 60% of theirs.
     for max_tokens in (2400, 4800, LONG_TOKENS - 400):
         outs, threads, victim = _load_and_pick_victim(s, max_tokens)
-        if victim is not None and sum(o.get("finish") is None for o in outs) >= len(outs) // 2:
+        behind = [o for o in outs if o.get("finish") is None and (o.get("chunks") or 0) < 0.6 * max_tokens]
+        if victim is not None and len(behind) >= len(outs) // 2:
             break
         for t in threads:
             t.join(timeout=300)

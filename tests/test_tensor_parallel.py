@@ -56,7 +56,10 @@ def test_under_tp_only_passes_without_a_collective_are_captured():
     from kvsieve.policies.observations import HeadShards
     from kvsieve.radix_ext import head_parallel, region_graphs
 
-    groups = {name: SimpleNamespace(policy=get_policy(name), action="decide") for name in policy_names()}
+    # A decide pass of a step without step inputs (CrystalCache's keep step is
+    # capturable alone, its snapshot step is not: decide_graph_safe).
+    groups = {name: SimpleNamespace(policy=get_policy(name), action="decide", input_names=frozenset)
+              for name in policy_names()}
     alone = {name for name, g in groups.items() if region_graphs.capturable(g)}
     saved = head_parallel.SHARDS
     head_parallel.SHARDS = HeadShards(size=2, rank=0)
