@@ -296,7 +296,8 @@ def main() -> None:
         doc = {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
                "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads (CPU; host side only)",
                "command": "python bench/graph_buckets.py " + " ".join(
-                   [f"--rows {' '.join(map(str, args.rows))}", f"--steps {args.steps}", f"--gen {args.gen}",
+                   [*([] if trace else [f"--rows {' '.join(map(str, args.rows))}", f"--steps {args.steps}"]),
+                    f"--gen {args.gen}",
                     f"--budget {args.budget}", f"--policies {args.policies}", f"--modes {args.modes}",
                     f"--group-shapes {' '.join(map(str, args.group_shapes))}", f"--first-sight {args.first_sight}",
                     *([f"--rows-from {args.rows_from}"] if args.rows_from else []), f"--out {args.out}"]),
