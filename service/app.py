@@ -146,8 +146,9 @@ class OpenAIServer:
             return "full"
         if isinstance(value, str) and value in self.presets:
             value = self.presets[value].get("name")
-        if isinstance(value, dict) and "name" not in value and value.get("preset") in self.presets:
-            value = self.presets[value["preset"]]  # {"preset": NAME, ...overrides}
+        preset = value.get("preset") if isinstance(value, dict) and "name" not in value else None
+        if isinstance(preset, str) and preset in self.presets:  # a fuzzed list here raised TypeError: a 500
+            value = self.presets[preset]  # {"preset": NAME, ...overrides}
         if isinstance(value, dict):
             value = value.get("name")
         return value if isinstance(value, str) and value in policy_names() else "invalid"

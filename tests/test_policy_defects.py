@@ -134,6 +134,11 @@ def test_a_rejected_preset_object_is_counted_under_its_presets_policy():
     server = OpenAIServer(engine, "m", {"fast": {"name": "h2o", "budget": 64}})
     assert server.policy_label({"kv_policy": {"preset": "fast", "budget": True}}) == "h2o"
     assert server.policy_label({"kv_policy": {"preset": "nope"}}) == "invalid"
+    # Shapes a fuzzer sends (schemathesis, 2026-12-02: a list here was a 500).
+    for odd in ([{}, "m"], {"a": 1}, 3, None, True):
+        assert server.policy_label({"kv_policy": {"preset": odd}}) == "invalid"
+    assert server.policy_label({"kv_policy": {"name": ["h2o"]}}) == "invalid"
+    assert server.policy_label({"kv_policy": [1, 2]}) == "invalid"
 
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
