@@ -57,6 +57,17 @@ LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
 KEYS_PER_SPLIT = 512
 MAX_DEFAULT_SPLITS = 16
 
+#: row_observe's bits, OBSERVE_BITS of them a layer group (a step's first
+#: layer from bit 0, its later layers above): the region's attention; the
+#: prefix's and region's sparsity; the region's |p*v| (with OBSERVE_REGION).
+#: |p*v| has a bit of its own because only LongFlow reads it: in a mixed
+#: batch the other observing rows skip loading their values' norms.
+OBSERVE_REGION = tl.constexpr(1)
+OBSERVE_SPARSITY = tl.constexpr(2)
+OBSERVE_PV = tl.constexpr(4)
+OBSERVE_BITS = tl.constexpr(3)
+OBSERVE_ALL = tl.constexpr(7)  # the bits of one layer group
+
 # Integers that follow the step's shapes (widths, prefixes, split counts and
 # the strides of scratch sized by them) are not specialized: Triton compiles
 # a kernel per value of "equals 1" and "16 divides it" of each specialized
@@ -371,12 +382,9 @@ def _partial_kernel(
     q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     plen = tl.load(PrefixLen + r)
     start = split * keys_per_split  # a multiple of BLOCK, as P_pad is
-    if _dead_split(split, keys_per_split, plen, P_pad):
+    row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
+    if _dead_split(split, keys_per_split, plen, P_pad, row_end):
         return  # nothing of this row's: the merge skips it
-    # The row's own page-table columns: the step is padded to its widest row
-    # (one long row widens every row), and the columns past a row's own hold
-    # null pages only; its splits past them do nothing (m -1e30, l 0).
-    row_end = P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)
     end = tl.minimum(start + keys_per_split, row_end)
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
@@ -446,40 +454,52 @@ def _partial_kernel(
 
 
 @triton.jit
-def _dead_split(split, keys_per_split, plen, P_pad):
-    """A split wholly past the row's prefix and before the region: it sees
-    none of the row's keys (a batch's longer prefix made it). The partial
-    kernel writes nothing for it and the merge reads it as m -1e30, l 0,
-    o 0, what an empty split holds."""
+def _dead_split(split, keys_per_split, plen, P_pad, row_end):
+    """A split that sees none of the row's keys: wholly past the row's
+    prefix and before the region (a batch's longer prefix made it), or past
+    the row's own region columns (a batch's wider row made it: a mixed
+    batch's snapkv or `full` rows; every region split of a pool-only row).
+    The partial kernel writes nothing for it and the merge skips it, as it
+    would add an empty split's exact zeros (m -1e30, l 0, o 0)."""
     start = split * keys_per_split
-    return (start >= plen) & (start + keys_per_split <= P_pad)
+    return ((start >= plen) & (start + keys_per_split <= P_pad)) | (start >= row_end)
 
 
-@triton.jit(do_not_specialize=["num_splits", "keys_per_split", "P_pad", "spo_r", "spo_h", "spm_r", "spm_h"],
-            do_not_specialize_on_alignment=["PrefixLen"])
+@triton.jit
+def _row_end(RowColumns, r, P_pad, S, PAGE: tl.constexpr):
+    """The end of row r's keys: the step is padded to its widest row (one
+    long row widens every row), and the columns past a row's own hold null
+    pages only."""
+    return P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)
+
+
+@triton.jit(do_not_specialize=["num_splits", "keys_per_split", "P_pad", "S", "spo_r", "spo_h", "spm_r", "spm_h"],
+            do_not_specialize_on_alignment=["PrefixLen", "RowColumns"])
 def _merge_kernel(
-    PartO, PartM, PartL, Out, Lse, RowMax, PrefixLen,
-    num_splits, keys_per_split, P_pad, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
-    DV: tl.constexpr,
+    PartO, PartM, PartL, Out, Lse, RowMax, PrefixLen, RowColumns,
+    num_splits, keys_per_split, P_pad, S, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
+    DV: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Grid (rows, query heads): the splits merged by their log-sum-exp, one
     after another in split order. A split that saw none of the row's keys
     (m -1e30, l 0, o 0) adds exact zeros, so the merge of a row's splits is
     the same bits however many empty splits a batch puts between them (a
     tree sum pairs them differently by their positions); the splits between
-    the row's prefix and the region are not even read (_dead_split)."""
+    the row's prefix and the region, and those past its own columns, are not
+    even read (_dead_split)."""
     r = tl.program_id(0)
     hq = tl.program_id(1)
     dv = tl.arange(0, DV)
     plen = tl.load(PrefixLen + r)
+    row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
     top = tl.full([], -1e30, tl.float32)
     for sp in range(num_splits):
-        live = _dead_split(sp, keys_per_split, plen, P_pad) == 0
+        live = _dead_split(sp, keys_per_split, plen, P_pad, row_end) == 0
         top = tl.maximum(top, tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30))
     total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([DV], tl.float32)
     for sp in range(num_splits):
-        live = _dead_split(sp, keys_per_split, plen, P_pad) == 0
+        live = _dead_split(sp, keys_per_split, plen, P_pad, row_end) == 0
         w = tl.exp(tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30) - top)
         total += tl.load(PartL + r * spm_r + hq * spm_h + sp, mask=live, other=0.0) * w
         acc += tl.load(PartO + r * spo_r + hq * spo_h + sp * spo_s + dv, mask=live, other=0.0) * w
@@ -505,26 +525,29 @@ def _observe_kernel(
     """Grid (rows, kv heads, groups of key blocks from first_block):
     probabilities from the stored logits and the final log-sum-exp.
     PER_ROW: RowObserve [R] says, from bit observe_shift, which of the
-    step's observations each row's own policy reads (bit 0: the region's
-    attention / |p*v|, bit 1: sparsity); a row's blocks it reads nothing of
-    are skipped (in a mixed batch `full` rows and rows of policies that read
-    no observation, and every row's prefix but those reading sparsity)."""
+    step's observations each row's own policy reads (OBSERVE_REGION,
+    OBSERVE_SPARSITY, OBSERVE_PV); a row's blocks it reads nothing of are
+    skipped (in a mixed batch `full` rows and rows of policies that read
+    no observation, and every row's prefix but those reading sparsity), and
+    only the rows that read |p*v| (LongFlow's) load their values' norms."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     hq = h * G + g
     plen = tl.load(PrefixLen + r)
-    row_end = P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)  # as _partial_kernel's
+    row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
     if PER_ROW:
-        wants = (tl.load(RowObserve + r).to(tl.int32) >> observe_shift) & 3
+        wants = (tl.load(RowObserve + r).to(tl.int32) >> observe_shift) & OBSERVE_ALL
         if wants == 0:
             return
-        skip_to = tl.where((wants & 2) != 0, 0, P_pad)  # the prefix's logits serve sparsity only
-        region_end = tl.where((wants & 1) != 0, row_end, 0)  # the region's written for attention / |p*v|
+        skip_to = tl.where((wants & OBSERVE_SPARSITY) != 0, 0, P_pad)  # the prefix's logits serve sparsity only
+        region_end = tl.where((wants & OBSERVE_REGION) != 0, row_end, 0)  # the region's written for attention / |p*v|
+        pv_row = (wants & OBSERVE_PV) != 0
     else:
         skip_to = 0
         region_end = row_end
+        pv_row = row_end >= 0  # every row
     # A program whose blocks hold none of the keys it would count returns
     # at once: in a batch with a long prefix (a `full` row), every other
     # row's blocks between its own prefix and the region.
@@ -564,16 +587,17 @@ def _observe_kernel(
             if ATTENTION:
                 tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
             if PV_NORM:
-                page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=region, other=null_page)
+                pv = region & pv_row
+                page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=pv, other=null_page)
                 off = s % PAGE
                 if HAS_VNORM:
-                    norm = tl.load(VNorm + page * svn_p + off, mask=region, other=0.0)
+                    norm = tl.load(VNorm + page * svn_p + off, mask=pv, other=0.0)
                 else:
                     dv = tl.arange(0, DV)
                     v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :],
-                                mask=region[:, None], other=0.0)
+                                mask=pv[:, None], other=0.0)
                     norm = tl.sum(tl.abs(v.to(tl.float32)), 1)
-                tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=region)
+                tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=pv)
     if SPARSITY:
         tl.atomic_add(Sparse + r * Hq + hq, sparse_count, mask=g_ok)
         tl.atomic_add(Seen + r * Hq + hq, seen_count, mask=g_ok)
@@ -631,9 +655,9 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     observations past a row's columns are 0, as for null pages.
 
     `row_observe` [R] int: which observations each row's policy reads, as
-    bits from `observe_shift` (bit 0: attention and pv_norm, bit 1:
-    sparsity; a step passes its first layer's and its later layers' bits
-    in one tensor). The observation pass skips what a row does not read (a
+    OBSERVE_BITS bits from `observe_shift` (OBSERVE_REGION: attention,
+    OBSERVE_PV: pv_norm too, OBSERVE_SPARSITY: sparsity; a step passes its
+    first layer's and its later layers' bits in one tensor). The observation pass skips what a row does not read (a
     mixed batch observes for the union of its policies' needs: its `full`
     rows' whole KV and its other rows' prefixes are read for sparsity only
     where a row wants it); what it skips is 0 (sparsity: unspecified).
@@ -729,10 +753,10 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     lse = torch.empty((R, Hq), dtype=torch.float32, device=dev)
     row_max = torch.empty_like(lse)
     _merge_kernel[(R, Hq)](
-        part_o, part_m, part_l, out, lse, row_max, prefix_len,
-        splits, per_split, P_pad, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
+        part_o, part_m, part_l, out, lse, row_max, prefix_len, row_columns,
+        splits, per_split, P_pad, S, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
         part_m.stride(1),
-        out.stride(0), out.stride(1), DV=DV,
+        out.stride(0), out.stride(1), DV=DV, PAGE=PAGE,
     )
     obs = Observations()
     if not observing:

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from kvsieve.kernels import decode_attention
 from kvsieve.kernels.kv_formats import FP8, NVFP4
 from kvsieve.policies import Need, Policy, PolicyBatch
 from kvsieve.policies.base import StepRow
@@ -128,20 +129,23 @@ def step_width_bucket(columns: int) -> int:
 
 def observe_bits(policy) -> int:
     """The decode kernel's per-row observation bits (kernels.decode_attention
-    row_observe) for a row of `policy`: bit 0 attention / |p*v|, bit 1
-    sparsity in the first layer; bits 2 and 3 the same in later layers
-    (none for a policy that observes the first layer only)."""
+    row_observe) for a row of `policy`: the region's attention, sparsity and
+    |p*v| in the first layer; the same LATER_LAYERS_SHIFT higher in later
+    layers (none for a policy that observes the first layer only)."""
     return observe_bits_of(policy.needs, policy.observes_first_layer_only)
 
 
 def observe_bits_of(needs: Need, first_layer_only: bool = False) -> int:
     """observe_bits of rows whose policy reads `needs`."""
-    first = (1 if needs & (Need.ATTENTION | Need.PV_NORM) else 0) | (2 if needs & Need.SPARSITY else 0)
+    first = ((OBSERVE_REGION if needs & (Need.ATTENTION | Need.PV_NORM) else 0)
+             | (OBSERVE_SPARSITY if needs & Need.SPARSITY else 0) | (OBSERVE_PV if needs & Need.PV_NORM else 0))
     return first | (0 if first_layer_only else first << LATER_LAYERS_SHIFT)
 
 
+OBSERVE_REGION, OBSERVE_SPARSITY, OBSERVE_PV = (decode_attention.OBSERVE_REGION.value,
+                                                decode_attention.OBSERVE_SPARSITY.value, decode_attention.OBSERVE_PV.value)
 #: observe_bits' shift for a layer past the first.
-LATER_LAYERS_SHIFT = 2
+LATER_LAYERS_SHIFT = decode_attention.OBSERVE_BITS.value
 
 
 def prefix_bucket(tokens: int) -> int:

@@ -10,6 +10,7 @@ import torch
 from kvsieve.policies import Need, Policy, get_policy, policy_names, register_policy, registry
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.runtime import RUNTIME
+from kvsieve.radix_ext import step_meta
 from kvsieve.radix_ext.step_meta import StepBuilder
 
 L, H, D, P = 2, 2, 4, 4
@@ -429,3 +430,20 @@ def test_padded_rows_of_a_cut_group_copy_its_first_row_but_read_the_null_table_r
     assert observe.step.tolist() == [4, 4] and observe.budget.tolist() == [8, 8]
     assert observe.params["window"].tolist() == [8, 8]
     assert meta.region.real == 3 and meta.region.pool_rows.shape[0] == 16
+
+
+def test_only_rows_that_read_pv_norm_ask_the_kernel_for_it():
+    """|p*v| has a bit of its own: in a mixed batch with LongFlow the other
+    observing rows (h2o's attention, ThinKV's sparsity) do not load their
+    values' norms; each bit is set in the first layer and, shifted, the later
+    ones, unless the policy observes the first layer only."""
+    later = step_meta.LATER_LAYERS_SHIFT
+    both = step_meta.OBSERVE_REGION | step_meta.OBSERVE_PV
+    longflow = step_meta.observe_bits_of(get_policy("longflow").needs)
+    assert longflow == both | both << later
+    h2o = step_meta.observe_bits_of(get_policy("h2o").needs)
+    assert h2o == step_meta.OBSERVE_REGION | step_meta.OBSERVE_REGION << later
+    thinkv = step_meta.observe_bits_of(get_policy("thinkv").needs)
+    assert thinkv == step_meta.OBSERVE_SPARSITY | step_meta.OBSERVE_SPARSITY << later
+    assert step_meta.observe_bits_of(Need.PV_NORM, first_layer_only=True) == both
+    assert step_meta.observe_bits_of(Need.KEYS | Need.TOKEN_IDS) == 0

@@ -186,17 +186,23 @@ def test_each_row_stops_at_its_own_columns(kernel, splits):
     assert not torch.allclose(whole[1], out[1], atol=1e-3)
 
 
-@pytest.mark.parametrize("shift", [0, 2])
+@pytest.mark.parametrize("shift", [0, 3])
 def test_each_row_observes_what_its_policy_reads(kernel, shift):
     """A mixed batch observes for the union of its policies' needs; with
-    row_observe each row gets what its own policy reads: attention and
-    |p*v| (bit 0) as the reference gives them, sparsity (bit 1) as well,
-    the rest 0 (sparsity unspecified), and the outputs unchanged."""
-    R, Hq, Hkv, D, P, M, page = 5, 4, 2, 32, 12, 4, 8
-    case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=91, lengths=[12, 12, 3, 12, 0], density=0.9)
+    row_observe each row gets what its own policy reads: attention
+    (OBSERVE_REGION) and |p*v| (OBSERVE_PV too: LongFlow's rows only) as the
+    reference gives them, sparsity (OBSERVE_SPARSITY) as well, the rest 0
+    (sparsity unspecified), and the outputs unchanged."""
+    assert kernel.OBSERVE_BITS == 3
+    R, Hq, Hkv, D, P, M, page = 6, 4, 2, 32, 12, 4, 8
+    case = random_case(R, Hq, Hkv, D, P, M, page, torch.float32, seed=91, lengths=[12, 12, 3, 12, 0, 12],
+                       density=0.9)
     scale = D ** -0.5
-    bits = [0b01, 0b10, 0b11, 0b00, 0b01]  # region only, sparsity only, both, nothing (a `full` row), region
-    row_observe = torch.tensor([(b << shift) | (0b11 << (2 - shift)) for b in bits], dtype=torch.int32)
+    # attention only (h2o), sparsity only (thinkv), attention + |p*v| + sparsity, nothing (a `full` row),
+    # attention + |p*v| (LongFlow), attention
+    bits = [0b001, 0b010, 0b111, 0b000, 0b101, 0b001]
+    other_layers = 0b111 << (3 - shift)  # the other layers' bits: all set, never read at this shift
+    row_observe = torch.tensor([(b << shift) | other_layers for b in bits], dtype=torch.int32)
     out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, block=16, row_observe=row_observe,
                                        observe_shift=shift)
     ref_out, ref = reference(case, scale, ALL)
@@ -204,11 +210,44 @@ def test_each_row_observes_what_its_policy_reads(kernel, shift):
     for r, b in enumerate(bits):
         if b & 1:
             torch.testing.assert_close(obs.attention[r], ref.attention[r], atol=1e-4, rtol=2e-3)
+        else:
+            assert obs.attention[r].abs().sum() == 0
+        if b & 4:
             torch.testing.assert_close(obs.pv_norm[r], ref.pv_norm[r], atol=1e-4, rtol=2e-3)
         else:
-            assert obs.attention[r].abs().sum() == 0 and obs.pv_norm[r].abs().sum() == 0
+            assert obs.pv_norm[r].abs().sum() == 0
         if b & 2:
             torch.testing.assert_close(obs.sparsity[r], ref.sparsity[r], atol=1e-6, rtol=0)
+
+
+def test_a_narrow_rows_splits_past_its_columns_are_neither_written_nor_read(kernel):
+    """Beside a wide row (a mixed batch's snapkv row) the step is padded to
+    its width; a narrow row's splits past its own columns, and every region
+    split of a row with no columns (a `full` row), hold none of its keys:
+    the partial kernel writes nothing there and the merge does not read them
+    (_dead_split). The scratch is poisoned (NaN), so reading an unwritten
+    split shows; outputs and observations match the reference of each row's
+    own columns and the row alone."""
+    R, Hq, Hkv, D, page = 3, 4, 2, 32, 16
+    case = random_case(R, Hq, Hkv, D, 40, 80, page, torch.float32, seed=17, lengths=[40, 40, 40], density=0.9)
+    scale = D ** -0.5
+    cols = torch.tensor([4, 80, 0], dtype=torch.int32)  # 64 slots (one split), 1,280 (three), none
+    with poisoned_scratch():
+        out, obs = kernel.decode_attention(**case, scale=scale, needs=ALL, row_columns=cols)
+        alone = {key: (v[:1] if torch.is_tensor(v) and v.shape[:1] == (R,) else v) for key, v in case.items()}
+        alone.update(table=case["table"][:1, :, :4])
+        single, obs_a = kernel.decode_attention(**alone, scale=scale, needs=ALL, row_columns=cols[:1])
+    assert torch.equal(single[0], out[0]) and torch.equal(obs_a.attention[0], obs.attention[0, :, :4 * page])
+    null = case["region_k"].shape[0] - 1
+    own = case["table"].clone()
+    for r, c in enumerate(cols.tolist()):
+        own[r, :, c:] = null  # the columns past a row's own hold null pages
+    ref_out, ref = reference(dict(case, table=own), scale, ALL)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(obs.attention, ref.attention, atol=1e-4, rtol=2e-3)
+    torch.testing.assert_close(obs.pv_norm, ref.pv_norm, atol=1e-4, rtol=2e-3)
+    # fp16 logits: a key within rounding of the threshold may count either way
+    torch.testing.assert_close(obs.sparsity, ref.sparsity, atol=0.02, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -237,7 +276,7 @@ def test_a_rows_output_is_the_same_bits_beside_longer_rows(kernel, dtype):
     assert (alone_splits, batch_splits) == (1, 3) and not torch.equal(old_alone[0], old_batch[0])
 
 
-@pytest.mark.parametrize("row_observe", [None, [0b11, 0b01, 0b10]])
+@pytest.mark.parametrize("row_observe", [None, [0b111, 0b001, 0b010]])
 def test_splits_between_a_rows_prefix_and_the_region_are_neither_written_nor_read(kernel, row_observe):
     """Beside a row of a long prefix (a `full` row of 1,700 tokens: four
     splits of 512), a short row's splits past its own prefix hold none of
@@ -258,10 +297,12 @@ def test_splits_between_a_rows_prefix_and_the_region_are_neither_written_nor_rea
     ref_out, ref = reference(case, scale, ALL)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
     assert torch.equal(single[0], out[0])  # the same bits alone and beside the long row
-    bits = row_observe or [0b11] * R
+    bits = row_observe or [0b111] * R
     for r, b in enumerate(bits):
         if b & 1:
             torch.testing.assert_close(obs.attention[r], ref.attention[r], atol=1e-4, rtol=2e-3)
+        if b & 4:
+            torch.testing.assert_close(obs.pv_norm[r], ref.pv_norm[r], atol=1e-4, rtol=2e-3)
         if b & 2:
             torch.testing.assert_close(obs.sparsity[r], ref.sparsity[r], atol=1e-6, rtol=0)
     assert torch.equal(obs_a.attention[0], obs.attention[0]) and torch.equal(obs_a.sparsity[0], obs.sparsity[0])
