@@ -1,0 +1,178 @@
+"""A mixed batch's decode attention against its members', kernel by kernel:
+
+    python bench/mixed_attention_ab.py OUT.json [--rows 128] [--quick]
+
+One layer's decode_attention (kernels/decode_attention.py) on a synthetic
+step shaped as a served one (bench/results/logs/h200-2026-12-02d: 128 rows of
+the issue's eight decode-time policies, 64-token prompts, the groups' widths
+of the step log): each class of rows its own page-table columns and
+observation bits (step_meta.observe_bits_of of its policy's needs). Times,
+as medians of CUDA events over repeated launches:
+
+* `mixed`: the step as served (one launch, the union of the needs);
+* each member alone at the same row count, with its own width and needs
+  (LongFlow through its fused kernel, as a LongFlow-only step runs); their
+  mean weighted by rows is what the mix would cost at its members' speed;
+* variants of the mix that drop one thing at a time (sparsity, |p*v|, the
+  observation pass) and knobs of the kernel (observation blocks a program,
+  keys a split), to say which part of the excess is whose.
+
+Each timing is per launch (a step launches one per layer). Writes OUT.json
+with the machine, the date and the command."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+from kvsieve.kernels import decode_attention as kernel
+from kvsieve.policies import Need
+from kvsieve.radix_ext.step_meta import LATER_LAYERS_SHIFT, observe_bits_of
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 28, 4, 128, 16  # R1-Distill-Qwen-7B
+PROMPT = 64
+PREFIX_WIDTH = 128  # step_meta.prefix_bucket(64)
+#: (policy, page-table columns, needs) of the eight decode-time policies as a
+#: served 128-row mixed step held them (the step log's group widths).
+CLASSES = [
+    ("h2o", 20, Need.ATTENTION),
+    ("rkv", 20, Need.ATTENTION | Need.KEYS),
+    ("streaming", 20, Need.NONE),
+    ("skipkv", 20, Need.ATTENTION | Need.KEYS),
+    ("thinkv", 20, Need.SPARSITY | Need.KEYS),
+    ("crystal_kv", 36, Need.ATTENTION),
+    ("longflow", 20, Need.ATTENTION | Need.PV_NORM),
+    ("crystalcache", 24, Need.NONE),
+]
+KERNEL_NEEDS = Need.ATTENTION | Need.PV_NORM | Need.SPARSITY  # what the kernel reads of a step's needs
+
+
+def make_step(classes, rows: int, device, dtype, seed: int = 0):
+    """decode_attention's inputs for `rows` rows dealt to `classes` in
+    blocks (as step_meta groups them), with the observation bits of each."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    per = [rows // len(classes) + (i < rows % len(classes)) for i in range(len(classes))]
+    cols = [c for (_, c, _), n in zip(classes, per) for _ in range(n)]
+    bits = [observe_bits_of(needs) for (_, _, needs), n in zip(classes, per) for _ in range(n)]
+    width = max(cols)
+    pages = rows * KV_HEADS * width
+    region_k = torch.randn(pages + 1, PAGE, HEAD_DIM, generator=g).to(dtype)
+    region_v = torch.randn(pages + 1, PAGE, HEAD_DIM, generator=g).to(dtype)
+    valid = torch.ones(pages + 1, PAGE, dtype=torch.bool)
+    valid[-1] = False  # the null page
+    table = torch.randperm(pages, generator=g).view(rows, KV_HEADS, width)
+    for r, c in enumerate(cols):
+        table[r, :, c:] = pages  # null columns past a row's own
+    pool = rows * PROMPT + 8
+    step = dict(q=torch.randn(rows, Q_HEADS, HEAD_DIM, generator=g).to(dtype),
+                pool_k=torch.randn(pool, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+                pool_v=torch.randn(pool, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+                prefix_slots=torch.randint(0, pool, (rows, PREFIX_WIDTH), generator=g),
+                prefix_len=torch.full((rows,), PROMPT), region_k=region_k, region_v=region_v,
+                region_valid=valid, table=table,
+                region_vnorm=region_v.float().abs().sum(-1),
+                row_columns=torch.tensor(cols, dtype=torch.int32),
+                row_observe=torch.tensor(bits, dtype=torch.int32))
+    needs = Need.NONE
+    for _, _, n in classes:
+        needs |= n
+    return {k: v.to(device) for k, v in step.items()}, needs & KERNEL_NEEDS
+
+
+def median_ms(fn, iters: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@contextlib.contextmanager
+def knob(name: str, value):
+    """A module constant of the kernel set for the duration (read at launch)."""
+    old = getattr(kernel, name)
+    setattr(kernel, name, value)
+    try:
+        yield
+    finally:
+        setattr(kernel, name, old)
+
+
+def time_step(step, needs, iters, shift=LATER_LAYERS_SHIFT, **kw):
+    args = dict(step, **kw)
+    return median_ms(lambda: kernel.decode_attention(scale=HEAD_DIM ** -0.5, needs=needs, observe_shift=shift,
+                                                     **args), iters)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="a few iterations (a check that it runs)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a GPU")
+    iters = 5 if args.quick else args.iters
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    t0 = time.time()
+    step, needs = make_step(CLASSES, args.rows, dev, dtype)
+    results = {"mixed": time_step(step, needs, iters)}
+    no_sparsity = dict(step, row_observe=step["row_observe"] & ~(
+        observe_bits_of(Need.SPARSITY) | observe_bits_of(Need.SPARSITY) << LATER_LAYERS_SHIFT))
+    variants = {
+        "mixed without sparsity (ThinKV's rows observe nothing)": (no_sparsity, needs & ~Need.SPARSITY, {}),
+        "mixed without |p*v| (LongFlow's rows attention only)": (step, needs & ~Need.PV_NORM, {}),
+        "mixed, attention only (no observation pass)": (step, Need.NONE, {}),
+    }
+    for name, (s, n, kw) in variants.items():
+        results[name] = time_step(s, n, iters, **kw)
+    for blocks in (2, 4, 16):
+        with knob("OBSERVE_BLOCKS_PER_PROGRAM", blocks):
+            results[f"mixed, {blocks} observation blocks a program"] = time_step(step, needs, iters)
+    for keys in (256, 1024):
+        with knob("KEYS_PER_SPLIT", keys):
+            results[f"mixed, {keys} keys a split"] = time_step(step, needs, iters)
+            results[f"mixed, {keys} keys a split, attention only"] = time_step(step, Need.NONE, iters)
+    members = {}
+    for cls in CLASSES:
+        s, n = make_step([cls], args.rows, dev, dtype)
+        members[cls[0]] = time_step(s, n, iters)
+        members[cls[0] + " (attention only)"] = time_step(s, Need.NONE, iters)
+    per = [args.rows // len(CLASSES) + (i < args.rows % len(CLASSES)) for i in range(len(CLASSES))]
+    weighted = sum(members[c[0]] * n for c, n in zip(CLASSES, per)) / args.rows
+    weighted_att = sum(members[c[0] + " (attention only)"] * n for c, n in zip(CLASSES, per)) / args.rows
+    out = {
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "rows": args.rows, "classes": [[c, w, str(n)] for c, w, n in CLASSES],
+        "ms_per_launch": {k: round(v, 4) for k, v in results.items()},
+        "members_ms_per_launch": {k: round(v, 4) for k, v in members.items()},
+        "members_weighted_ms": round(weighted, 4), "members_weighted_attention_only_ms": round(weighted_att, 4),
+        "mixed_over_members_ms": round(results["mixed"] - weighted, 4),
+        "seconds": round(time.time() - t0, 1),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    for k, v in {**out["ms_per_launch"], **out["members_ms_per_launch"]}.items():
+        print(f"{v:8.4f} ms  {k}")
+    print(f"members weighted {weighted:.4f} ms (attention only {weighted_att:.4f}); mixed {results['mixed']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
