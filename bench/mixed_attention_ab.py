@@ -17,7 +17,8 @@ as medians of CUDA events over repeated launches:
   observation pass) and knobs of the kernel (observation blocks a program,
   keys a split), to say which part of the excess is whose.
 
-Each timing is per launch (a step launches one per layer). Writes OUT.json
+Each timing is the GPU time of one launch (a step launches one per layer),
+from CUDA graph replays as the engine runs them. Writes OUT.json
 with the machine, the date and the command."""
 
 from __future__ import annotations
@@ -85,19 +86,48 @@ def make_step(classes, rows: int, device, dtype, seed: int = 0):
     return {k: v.to(device) for k, v in step.items()}, needs & KERNEL_NEEDS
 
 
-def median_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
+def graph_ms(fn, iters: int) -> float:
+    """GPU time of one call: `fn` captured in a CUDA graph (as the engine
+    replays its steps) and replayed `iters` times between two events, so
+    the host's launch work is not counted."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_ms(fn, iters: int = 20) -> dict:
+    """GPU time per call of each kernel `fn` launches (torch.profiler, eager
+    calls): which kernel a variant's time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            out[e.key[:60]] = round(us / iters / 1000, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 @contextlib.contextmanager
@@ -113,7 +143,7 @@ def knob(name: str, value):
 
 def time_step(step, needs, iters, shift=LATER_LAYERS_SHIFT, **kw):
     args = dict(step, **kw)
-    return median_ms(lambda: kernel.decode_attention(scale=HEAD_DIM ** -0.5, needs=needs, observe_shift=shift,
+    return graph_ms(lambda: kernel.decode_attention(scale=HEAD_DIM ** -0.5, needs=needs, observe_shift=shift,
                                                      **args), iters)
 
 
@@ -140,6 +170,10 @@ def main(argv=None) -> int:
     }
     for name, (s, n, kw) in variants.items():
         results[name] = time_step(s, n, iters, **kw)
+    narrow = [(name, 20, n) for name, _, n in CLASSES]
+    s, n = make_step(narrow, args.rows, dev, dtype)
+    results["mixed, every class at 20 columns"] = time_step(s, n, iters)
+    results["mixed, every class at 20 columns, attention only"] = time_step(s, Need.NONE, iters)
     for blocks in (2, 4, 16):
         with knob("OBSERVE_BLOCKS_PER_PROGRAM", blocks):
             results[f"mixed, {blocks} observation blocks a program"] = time_step(step, needs, iters)
@@ -147,6 +181,12 @@ def main(argv=None) -> int:
         with knob("KEYS_PER_SPLIT", keys):
             results[f"mixed, {keys} keys a split"] = time_step(step, needs, iters)
             results[f"mixed, {keys} keys a split, attention only"] = time_step(step, Need.NONE, iters)
+    call = lambda st, nd: (lambda: kernel.decode_attention(scale=HEAD_DIM ** -0.5, needs=nd,  # noqa: E731
+                                                             observe_shift=LATER_LAYERS_SHIFT, **st))
+    thinkv_step, thinkv_needs = make_step([CLASSES[4]], args.rows, dev, dtype)
+    breakdown = {"mixed": kernel_ms(call(step, needs)),
+                 "mixed without sparsity": kernel_ms(call(no_sparsity, needs & ~Need.SPARSITY)),
+                 "thinkv": kernel_ms(call(thinkv_step, thinkv_needs))}
     members = {}
     for cls in CLASSES:
         s, n = make_step([cls], args.rows, dev, dtype)
@@ -163,6 +203,7 @@ def main(argv=None) -> int:
         "members_ms_per_launch": {k: round(v, 4) for k, v in members.items()},
         "members_weighted_ms": round(weighted, 4), "members_weighted_attention_only_ms": round(weighted_att, 4),
         "mixed_over_members_ms": round(results["mixed"] - weighted, 4),
+        "kernels_ms_per_launch": breakdown,
         "seconds": round(time.time() - t0, 1),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -170,6 +211,8 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=1)
     for k, v in {**out["ms_per_launch"], **out["members_ms_per_launch"]}.items():
         print(f"{v:8.4f} ms  {k}")
+    for k, v in breakdown.items():
+        print(k, json.dumps(v))
     print(f"members weighted {weighted:.4f} ms (attention only {weighted_att:.4f}); mixed {results['mixed']:.4f}")
     return 0
 
