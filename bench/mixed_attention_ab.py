@@ -183,10 +183,10 @@ def main(argv=None) -> int:
             results[f"mixed, {keys} keys a split, attention only"] = time_step(step, Need.NONE, iters)
     call = lambda st, nd: (lambda: kernel.decode_attention(scale=HEAD_DIM ** -0.5, needs=nd,  # noqa: E731
                                                              observe_shift=LATER_LAYERS_SHIFT, **st))
-    thinkv_step, thinkv_needs = make_step([CLASSES[4]], args.rows, dev, dtype)
     breakdown = {"mixed": kernel_ms(call(step, needs)),
-                 "mixed without sparsity": kernel_ms(call(no_sparsity, needs & ~Need.SPARSITY)),
-                 "thinkv": kernel_ms(call(thinkv_step, thinkv_needs))}
+                 "mixed, every class at 20 columns": kernel_ms(call(*make_step(narrow, args.rows, dev, dtype)))}
+    for cls in (CLASSES[0], CLASSES[4], CLASSES[5]):  # h2o, thinkv, crystal_kv
+        breakdown[cls[0]] = kernel_ms(call(*make_step([cls], args.rows, dev, dtype)))
     members = {}
     for cls in CLASSES:
         s, n = make_step([cls], args.rows, dev, dtype)

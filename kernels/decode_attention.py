@@ -541,13 +541,15 @@ def _observe_kernel(
         wants = (tl.load(RowObserve + r).to(tl.int32) >> observe_shift) & OBSERVE_ALL
         if wants == 0:
             return
-        skip_to = tl.where((wants & OBSERVE_SPARSITY) != 0, 0, P_pad)  # the prefix's logits serve sparsity only
-        region_end = tl.where((wants & OBSERVE_REGION) != 0, row_end, 0)  # the region's written for attention / |p*v|
+        sparsity_row = (wants & OBSERVE_SPARSITY) != 0
+        region_row = (wants & OBSERVE_REGION) != 0
         pv_row = (wants & OBSERVE_PV) != 0
     else:
-        skip_to = 0
-        region_end = row_end
-        pv_row = row_end >= 0  # every row
+        sparsity_row = row_end >= 0  # every row
+        region_row = sparsity_row
+        pv_row = sparsity_row
+    skip_to = tl.where(sparsity_row, 0, P_pad)  # the prefix's logits serve sparsity only
+    region_end = tl.where(region_row, row_end, 0)  # the region's written for attention / |p*v|
     # A program whose blocks hold none of the keys it would count returns
     # at once: in a batch with a long prefix (a `full` row), every other
     # row's blocks between its own prefix and the region.
@@ -566,41 +568,48 @@ def _observe_kernel(
         lse = tl.load(Lse + r * Hq + hq, mask=g_ok, other=0.0)
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         block = first_block + tl.program_id(2) * BLOCKS_PER_PROGRAM + i
-        n = block * BLOCK + tl.arange(0, BLOCK)
-        in_range = (n < row_end) & (n >= skip_to)  # past row_end the partial kernel wrote nothing (no mass)
-        region = in_range & (n >= P_pad) & (n < region_end)
-        # Prefix keys past the row's own prefix were never scored (nor stored).
-        counted = in_range & ((n >= P_pad) | (n < plen))
-        if not SPARSITY:
-            counted = region
-        rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
-                      mask=g_ok[:, None] & counted[None, :], other=float("-inf")).to(tl.float32)
-        logits = rel + tl.load(BlockMax + r * sbm_r + hq * sbm_h + block,
-                               mask=g_ok & (block * BLOCK < row_end), other=0.0)[:, None]
-        if SPARSITY:
-            seen = logits > float("-inf")
-            sparse_count += tl.sum((seen & (logits < top[:, None] + log_sparsity)).to(tl.float32), 1)
-            seen_count += tl.sum(seen.to(tl.float32), 1)
-        if ATTENTION or PV_NORM:
-            s = tl.where(region, n - P_pad, 0)
-            mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf (unseen keys, padding heads): 0
-            if ATTENTION:
-                tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
-            if PV_NORM:
-                pv = region & pv_row
-                page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=pv, other=null_page)
-                off = s % PAGE
-                if HAS_VNORM:
-                    norm = tl.load(VNorm + page * svn_p + off, mask=pv, other=0.0)
-                else:
-                    dv = tl.arange(0, DV)
-                    v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :],
-                                mask=pv[:, None], other=0.0)
-                    norm = tl.sum(tl.abs(v.to(tl.float32)), 1)
-                tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=pv)
+        # Each row's work stops at its own end (a narrow row beside a wide
+        # one: the step's blocks past it hold nothing of the row's), and a
+        # row computes only what its policy reads: in a mixed batch the
+        # sparsity counts are ThinKV's rows' and the mass the others'.
+        if block * BLOCK < row_end:
+            n = block * BLOCK + tl.arange(0, BLOCK)
+            in_range = (n < row_end) & (n >= skip_to)  # past row_end the partial kernel wrote nothing (no mass)
+            region = in_range & (n >= P_pad) & (n < region_end)
+            # Prefix keys past the row's own prefix were never scored (nor stored).
+            counted = in_range & ((n >= P_pad) | (n < plen))
+            if not SPARSITY:
+                counted = region
+            rel = tl.load(Logits + r * slg_r + hq[:, None] * slg_h + n[None, :],
+                          mask=g_ok[:, None] & counted[None, :], other=float("-inf")).to(tl.float32)
+            logits = rel + tl.load(BlockMax + r * sbm_r + hq * sbm_h + block, mask=g_ok, other=0.0)[:, None]
+            if SPARSITY:
+                if sparsity_row:
+                    seen = logits > float("-inf")
+                    sparse_count += tl.sum((seen & (logits < top[:, None] + log_sparsity)).to(tl.float32), 1)
+                    seen_count += tl.sum(seen.to(tl.float32), 1)
+            if ATTENTION or PV_NORM:
+                if region_row:
+                    s = tl.where(region, n - P_pad, 0)
+                    mass = tl.sum(tl.exp(logits - lse[:, None]), 0)  # -inf (unseen keys, padding heads): 0
+                    if ATTENTION:
+                        tl.store(Attention + r * sat_r + h * sat_h + s, mass, mask=region)
+                    if PV_NORM:
+                        pv = region & pv_row
+                        page = tl.load(Table + r * st_r + h * st_h + s // PAGE, mask=pv, other=null_page)
+                        off = s % PAGE
+                        if HAS_VNORM:
+                            norm = tl.load(VNorm + page * svn_p + off, mask=pv, other=0.0)
+                        else:
+                            dv = tl.arange(0, DV)
+                            v = tl.load(RegV + page[:, None] * srv_p + off[:, None] * srv_o + dv[None, :],
+                                        mask=pv[:, None], other=0.0)
+                            norm = tl.sum(tl.abs(v.to(tl.float32)), 1)
+                        tl.store(PvNorm + r * sat_r + h * sat_h + s, mass * norm, mask=pv)
     if SPARSITY:
-        tl.atomic_add(Sparse + r * Hq + hq, sparse_count, mask=g_ok)
-        tl.atomic_add(Seen + r * Hq + hq, seen_count, mask=g_ok)
+        if sparsity_row:
+            tl.atomic_add(Sparse + r * Hq + hq, sparse_count, mask=g_ok)
+            tl.atomic_add(Seen + r * Hq + hq, seen_count, mask=g_ok)
 
 
 def default_splits(keys: int) -> int:
