@@ -125,8 +125,9 @@ def kernel_ms(fn, iters: int = 20) -> dict:
     out = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
-            out[e.key[:60]] = round(us / iters / 1000, 4)
+        if us:  # names cut short: kernels of one family summed
+            key = e.key[:60]
+            out[key] = round(out.get(key, 0.0) + us / iters / 1000, 4)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
