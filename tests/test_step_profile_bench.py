@@ -44,6 +44,18 @@ def test_comparison_of_a_mixed_run_with_its_members():
     runs["rkv"]["graphs"] = {"forward_captures": 0.0}
     assert step_profile.comparison(runs, ["streaming", "rkv"], 4)["windows_with_captures"] == \
         {"mixed:streaming+rkv": 1.0}
+    # No whole-run rates (older results): no whole-run comparison.
+    assert "whole_run" not in out and "methods_agree_within_10pct" not in out
+    for name, rate in (("streaming", 90.0), ("rkv", 270.0), ("mixed:streaming+rkv", 81.0)):
+        runs[name].update(tokens_per_s_whole_run=rate, whole_run_profiled_steps=0)
+    out = step_profile.comparison(runs, ["streaming", "rkv"], 4)
+    assert out["whole_run"] == {"mixed_tokens_per_s": 81.0, "members_tokens_per_s": {"streaming": 90.0, "rkv": 270.0},
+                                "members_harmonic_mean_tokens_per_s": 135.0, "ratio": 0.6}
+    assert out["methods_agree_within_10pct"] is False  # 0.6 against the window's 0.8
+    runs["mixed:streaming+rkv"].update(tokens_per_s_whole_run=102.6, whole_run_profiled_steps=16)
+    out = step_profile.comparison(runs, ["streaming", "rkv"], 4)
+    assert out["whole_run"]["ratio"] == 0.76 and out["methods_agree_within_10pct"] is True
+    assert out["whole_run"]["runs_with_profiled_steps"] == ["mixed:streaming+rkv"]
     # A member without a solo run: named, no mean.
     out = step_profile.comparison({"mixed:a+b": {"tokens_per_s_unprofiled": 5.0}, "a": {"tokens_per_s_unprofiled": 5.0}},
                                   ["a", "b"], 2)
@@ -115,6 +127,8 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     assert all(r["tokens_per_s_unprofiled"] > 0 and r["graphs"]["steps"] > 0 for r in result["runs"].values())
     comp = result["comparison"]
     assert comp["mixed"] == "mixed:streaming+crystalcache" and comp["ratio"] > 0
+    assert all(r["tokens_per_s_whole_run"] > 0 and r["whole_run_s"] > 0 for r in result["runs"].values())
+    assert comp["whole_run"]["ratio"] > 0 and isinstance(comp["methods_agree_within_10pct"], bool)
     assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
         [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
 
