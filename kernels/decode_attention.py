@@ -666,10 +666,11 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
     `row_observe` [R] int: which observations each row's policy reads, as
     OBSERVE_BITS bits from `observe_shift` (OBSERVE_REGION: attention,
     OBSERVE_PV: pv_norm too, OBSERVE_SPARSITY: sparsity; a step passes its
-    first layer's and its later layers' bits in one tensor). The observation pass skips what a row does not read (a
-    mixed batch observes for the union of its policies' needs: its `full`
-    rows' whole KV and its other rows' prefixes are read for sparsity only
-    where a row wants it); what it skips is 0 (sparsity: unspecified).
+    first layer's and its later layers' bits in one tensor). The
+    observation pass skips what a row does not read (a mixed batch observes
+    for the union of its policies' needs: its `full` rows' whole KV and its
+    other rows' prefixes are read for sparsity only where a row wants it);
+    what it skips is 0 (sparsity: unspecified).
     None: every row reads everything `needs` asks for.
 
     `num_splits` None: the batch-invariant layout (row_splits: a row's
