@@ -1,6 +1,6 @@
 """A mixed batch's decode attention against its members', kernel by kernel:
 
-    python bench/mixed_attention_ab.py OUT.json [--rows 128] [--quick]
+    python bench/mixed_attention_ab.py OUT.json [--rows 128] [--split-keys 256,1024] [--quick]
 
 One layer's decode_attention (kernels/decode_attention.py) on a synthetic
 step shaped as a served one (bench/results/logs/h200-2026-12-02d: 128 rows of
@@ -154,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="a few iterations (a check that it runs)")
+    ap.add_argument("--split-keys", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024],
+                    help="KEYS_PER_SPLIT values to time the mix at (multiples of the kernel's block, 32)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a GPU")
@@ -178,7 +180,12 @@ def main(argv=None) -> int:
     for blocks in (2, 4, 16):
         with knob("OBSERVE_BLOCKS_PER_PROGRAM", blocks):
             results[f"mixed, {blocks} observation blocks a program"] = time_step(step, needs, iters)
-    for keys in (256, 1024):
+    # Keys a split: `_partial_kernel` is latency-bound at these shapes (its
+    # time follows the longest split's chain of blocks, as long as the
+    # programs fit in one wave), so the sweep looks for the split that
+    # keeps the wide rows' chains as short as the narrow rows' without a
+    # second wave. (The knob moves the prefix's padding too.)
+    for keys in args.split_keys:
         with knob("KEYS_PER_SPLIT", keys):
             results[f"mixed, {keys} keys a split"] = time_step(step, needs, iters)
             results[f"mixed, {keys} keys a split, attention only"] = time_step(step, Need.NONE, iters)
