@@ -6,8 +6,8 @@ One layer's decode_attention (kernels/decode_attention.py) on a synthetic
 step shaped as a served one (bench/results/logs/h200-2026-12-02d: 128 rows of
 the issue's eight decode-time policies, 64-token prompts, the groups' widths
 of the step log): each class of rows its own page-table columns and
-observation bits (step_meta.observe_bits_of of its policy's needs). Times,
-as medians of CUDA events over repeated launches:
+observation bits (step_meta.observe_bits_of of its policy's needs in a
+layer past the first: 27 of a step's 28 launches). Times:
 
 * `mixed`: the step as served (one launch, the union of the needs);
 * each member alone at the same row count, with its own width and needs
@@ -33,25 +33,24 @@ import time
 import torch
 
 from kvsieve.kernels import decode_attention as kernel
-from kvsieve.policies import Need
+from kvsieve.policies import Need, get_policy
 from kvsieve.radix_ext.step_meta import LATER_LAYERS_SHIFT, observe_bits_of
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 28, 4, 128, 16  # R1-Distill-Qwen-7B
 PROMPT = 64
 PREFIX_WIDTH = 128  # step_meta.prefix_bucket(64)
-#: (policy, page-table columns, needs) of the eight decode-time policies as a
-#: served 128-row mixed step held them (the step log's group widths).
-CLASSES = [
-    ("h2o", 20, Need.ATTENTION),
-    ("rkv", 20, Need.ATTENTION | Need.KEYS),
-    ("streaming", 20, Need.NONE),
-    ("skipkv", 20, Need.ATTENTION | Need.KEYS),
-    ("thinkv", 20, Need.SPARSITY | Need.KEYS),
-    ("crystal_kv", 36, Need.ATTENTION),
-    ("longflow", 20, Need.ATTENTION | Need.PV_NORM),
-    ("crystalcache", 24, Need.NONE),
-]
-KERNEL_NEEDS = Need.ATTENTION | Need.PV_NORM | Need.SPARSITY  # what the kernel reads of a step's needs
+#: (policy, page-table columns) of the eight decode-time policies as a served
+#: 128-row mixed step held them (the step log's group widths).
+CLASSES = [("h2o", 20), ("rkv", 20), ("streaming", 20), ("skipkv", 20), ("thinkv", 20), ("crystal_kv", 36),
+           ("longflow", 20), ("crystalcache", 24)]
+
+
+def later_layer_needs(name: str) -> Need:
+    """What a row of policy `name` asks of a layer past the first (the
+    launches of 27 of a step's 28 layers): its needs, or none for a policy
+    that observes the first layer only (backend's later_needs)."""
+    policy = get_policy(name)
+    return Need.NONE if policy.observes_first_layer_only else policy.needs
 
 
 def make_step(classes, rows: int, device, dtype, seed: int = 0):
@@ -59,8 +58,8 @@ def make_step(classes, rows: int, device, dtype, seed: int = 0):
     blocks (as step_meta groups them), with the observation bits of each."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     per = [rows // len(classes) + (i < rows % len(classes)) for i in range(len(classes))]
-    cols = [c for (_, c, _), n in zip(classes, per) for _ in range(n)]
-    bits = [observe_bits_of(needs) for (_, _, needs), n in zip(classes, per) for _ in range(n)]
+    cols = [c for (_, c), n in zip(classes, per) for _ in range(n)]
+    bits = [observe_bits_of(later_layer_needs(name)) for (name, _), n in zip(classes, per) for _ in range(n)]
     width = max(cols)
     pages = rows * KV_HEADS * width
     region_k = torch.randn(pages + 1, PAGE, HEAD_DIM, generator=g).to(dtype)
@@ -80,10 +79,13 @@ def make_step(classes, rows: int, device, dtype, seed: int = 0):
                 region_vnorm=region_v.float().abs().sum(-1),
                 row_columns=torch.tensor(cols, dtype=torch.int32),
                 row_observe=torch.tensor(bits, dtype=torch.int32))
+    # The union, as the engine passes it: a step of attention and |p*v|
+    # only (LongFlow alone) goes through LongFlow's fused kernel, any other
+    # need (keys, token ids) keeps the split-KV path.
     needs = Need.NONE
-    for _, _, n in classes:
-        needs |= n
-    return {k: v.to(device) for k, v in step.items()}, needs & KERNEL_NEEDS
+    for name, _ in classes:
+        needs |= later_layer_needs(name)
+    return {k: v.to(device) for k, v in step.items()}, needs
 
 
 def graph_ms(fn, iters: int) -> float:
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
     }
     for name, (s, n, kw) in variants.items():
         results[name] = time_step(s, n, iters, **kw)
-    narrow = [(name, 20, n) for name, _, n in CLASSES]
+    narrow = [(name, 20) for name, _ in CLASSES]
     s, n = make_step(narrow, args.rows, dev, dtype)
     results["mixed, every class at 20 columns"] = time_step(s, n, iters)
     results["mixed, every class at 20 columns, attention only"] = time_step(s, Need.NONE, iters)
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
     out = {
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "rows": args.rows, "classes": [[c, w, str(n)] for c, w, n in CLASSES],
+        "rows": args.rows, "classes": [[c, w, str(later_layer_needs(c))] for c, w in CLASSES],
         "ms_per_launch": {k: round(v, 4) for k, v in results.items()},
         "members_ms_per_launch": {k: round(v, 4) for k, v in members.items()},
         "members_weighted_ms": round(weighted, 4), "members_weighted_attention_only_ms": round(weighted_att, 4),
