@@ -53,11 +53,16 @@ def later_layer_needs(name: str) -> Need:
     return Need.NONE if policy.observes_first_layer_only else policy.needs
 
 
+def rows_per_class(classes: int, rows: int) -> list[int]:
+    """Rows of each class when `rows` are dealt to `classes` in blocks."""
+    return [rows // classes + (i < rows % classes) for i in range(classes)]
+
+
 def make_step(classes, rows: int, device, dtype, seed: int = 0):
     """decode_attention's inputs for `rows` rows dealt to `classes` in
     blocks (as step_meta groups them), with the observation bits of each."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    per = [rows // len(classes) + (i < rows % len(classes)) for i in range(len(classes))]
+    per = rows_per_class(len(classes), rows)
     cols = [c for (_, c), n in zip(classes, per) for _ in range(n)]
     bits = [observe_bits_of(later_layer_needs(name)) for (name, _), n in zip(classes, per) for _ in range(n)]
     width = max(cols)
@@ -175,10 +180,9 @@ def main(argv=None) -> int:
     }
     for name, (s, n, kw) in variants.items():
         results[name] = time_step(s, n, iters, **kw)
-    narrow = [(name, 20) for name, _ in CLASSES]
-    s, n = make_step(narrow, args.rows, dev, dtype)
-    results["mixed, every class at 20 columns"] = time_step(s, n, iters)
-    results["mixed, every class at 20 columns, attention only"] = time_step(s, Need.NONE, iters)
+    narrow_step, narrow_needs = make_step([(name, 20) for name, _ in CLASSES], args.rows, dev, dtype)
+    results["mixed, every class at 20 columns"] = time_step(narrow_step, narrow_needs, iters)
+    results["mixed, every class at 20 columns, attention only"] = time_step(narrow_step, Need.NONE, iters)
     for blocks in (2, 4, 16):
         with knob("OBSERVE_BLOCKS_PER_PROGRAM", blocks):
             results[f"mixed, {blocks} observation blocks a program"] = time_step(step, needs, iters)
@@ -194,15 +198,15 @@ def main(argv=None) -> int:
     call = lambda st, nd: (lambda: kernel.decode_attention(scale=HEAD_DIM ** -0.5, needs=nd,  # noqa: E731
                                                              observe_shift=LATER_LAYERS_SHIFT, **st))
     breakdown = {"mixed": kernel_ms(call(step, needs)),
-                 "mixed, every class at 20 columns": kernel_ms(call(*make_step(narrow, args.rows, dev, dtype)))}
-    for cls in (CLASSES[0], CLASSES[4], CLASSES[5]):  # h2o, thinkv, crystal_kv
-        breakdown[cls[0]] = kernel_ms(call(*make_step([cls], args.rows, dev, dtype)))
+                 "mixed, every class at 20 columns": kernel_ms(call(narrow_step, narrow_needs))}
     members = {}
     for cls in CLASSES:
         s, n = make_step([cls], args.rows, dev, dtype)
         members[cls[0]] = time_step(s, n, iters)
         members[cls[0] + " (attention only)"] = time_step(s, Need.NONE, iters)
-    per = [args.rows // len(CLASSES) + (i < args.rows % len(CLASSES)) for i in range(len(CLASSES))]
+        if cls[0] in ("h2o", "thinkv", "crystal_kv"):
+            breakdown[cls[0]] = kernel_ms(call(s, n))
+    per = rows_per_class(len(CLASSES), args.rows)
     weighted = sum(members[c[0]] * n for c, n in zip(CLASSES, per)) / args.rows
     weighted_att = sum(members[c[0] + " (attention only)"] * n for c, n in zip(CLASSES, per)) / args.rows
     out = {
