@@ -56,6 +56,14 @@ LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
 #: MAX_DEFAULT_SPLITS splits, which only batches of over 8K keys reach).
 KEYS_PER_SPLIT = 512
 MAX_DEFAULT_SPLITS = 16
+#: The most region keys of one split: a row's region is cut into the fewest
+#: splits of at most this many keys, of equal size (whole blocks). The
+#: kernel is latency-bound at serving's shapes (its time is the longest
+#: chain of blocks one program walks), so a wide row beside narrow ones
+#: (crystal_kv's 36 columns beside 20) no longer sets the step's time with
+#: a 512-key chain. A row's cut follows its own columns only: batch-
+#: invariant still.
+REGION_KEYS_PER_SPLIT = 320
 
 #: row_observe's bits, OBSERVE_BITS of them a layer group (a step's first
 #: layer from bit 0, its later layers above): the region's attention; the
@@ -344,14 +352,14 @@ def _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scal
 #: Triton specializes pointers on that alignment: a new row count compiled
 #: another variant in the middle of serving (1.1 s a step, H200 traffic
 #: 2026-11-29). They are read one value a program, so nothing is lost.
-@triton.jit(do_not_specialize=["P_pad", "S", "keys_per_split", "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r",
-                               "spm_h", "sbm_r", "sbm_h"],
+@triton.jit(do_not_specialize=["P_pad", "S", "prefix_splits", "prefix_per_split", "region_base", "region_cap",
+                               "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r", "spm_h", "sbm_r", "sbm_h"],
             do_not_specialize_on_alignment=["PrefixLen", "RowColumns"])
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table, RowColumns,
     PartO, PartM, PartL, Logits, BlockMax,
     Format, QK, QV, QKScale, QVScale, QPageScale, QKW, QVW, QKH, QVH,
-    scale, P_pad, S, keys_per_split, null_page,
+    scale, P_pad, S, prefix_splits, prefix_per_split, region_base, region_cap, null_page,
     sq_c, sq_o, sqks_r, sqvs_r, sqvs_o, sw_c, sw_o, sh_c, sh_o,
     sq_r, sq_h,
     spk_n, spk_h, spv_n, spv_h,
@@ -361,7 +369,7 @@ def _partial_kernel(
     slg_r, slg_h, sbm_r, sbm_h,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
-    QUANT: tl.constexpr, HAS_FP8: tl.constexpr,
+    QUANT: tl.constexpr, HAS_FP8: tl.constexpr, BALANCED: tl.constexpr,
 ):
     """Grid (rows, kv heads, splits): one split of one row's keys for the G
     query heads of one kv head; partial output, max and sum per query head.
@@ -379,13 +387,14 @@ def _partial_kernel(
     hq = h * G + g
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     plen = tl.load(PrefixLen + r)
-    start = split * keys_per_split  # a multiple of BLOCK, as P_pad is
     row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
-    if _dead_split(split, keys_per_split, plen, P_pad, row_end):
+    start, end = _split_span(split, prefix_splits, prefix_per_split, region_base, region_cap, P_pad, row_end,
+                             BLOCK, BALANCED)  # start: a multiple of BLOCK, as P_pad is
+    if _dead_split(start, end, plen, P_pad, row_end):
         return  # nothing of this row's: the merge skips it
-    end = tl.minimum(start + keys_per_split, row_end)
+    end = tl.minimum(end, row_end)
+    q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
@@ -454,15 +463,34 @@ def _partial_kernel(
 
 
 @triton.jit
-def _dead_split(split, keys_per_split, plen, P_pad, row_end):
-    """A split that sees none of the row's keys: wholly past the row's
-    prefix and before the region (a batch's longer prefix made it), or past
-    the row's own region columns (a batch's wider row made it: a mixed
-    batch's snapkv or `full` rows; every region split of a pool-only row).
-    The partial kernel writes nothing for it and the merge skips it, as it
-    would add an empty split's exact zeros (m -1e30, l 0, o 0)."""
-    start = split * keys_per_split
-    return ((start >= plen) & (start + keys_per_split <= P_pad)) | (start >= row_end)
+def _split_span(split, prefix_splits, prefix_per_split, region_base, region_cap, P_pad, row_end,
+                BLOCK: tl.constexpr, BALANCED: tl.constexpr):
+    """Keys [start, end) of a row's split: the first prefix_splits splits
+    hold prefix_per_split keys each, the others the region from
+    region_base. BALANCED: the row's own region keys in the fewest splits
+    of at most region_cap keys, equal in whole blocks (a narrow row's
+    splits past them are empty); else region_cap keys a split (the layout
+    of a batch's own keys: prefix_splits 0, region_base 0)."""
+    if BALANCED:
+        width = tl.maximum(row_end - P_pad, 0)
+        pieces = tl.maximum(tl.cdiv(width, region_cap), 1)
+        per_split = tl.cdiv(tl.cdiv(width, pieces), BLOCK) * BLOCK
+    else:
+        per_split = region_cap
+    j = split - prefix_splits
+    start = tl.where(j < 0, split * prefix_per_split, region_base + j * per_split)
+    return start, start + tl.where(j < 0, prefix_per_split, per_split)
+
+
+@triton.jit
+def _dead_split(start, end, plen, P_pad, row_end):
+    """A split [start, end) that sees none of the row's keys: wholly past
+    the row's prefix and before the region (a batch's longer prefix made
+    it), or past the row's own region keys (a batch's wider row made it: a
+    mixed batch's snapkv or `full` rows; every region split of a pool-only
+    row). The partial kernel writes nothing for it and the merge skips it,
+    as it would add an empty split's exact zeros (m -1e30, l 0, o 0)."""
+    return ((start >= plen) & (end <= P_pad)) | (start >= row_end)
 
 
 @triton.jit
@@ -473,12 +501,14 @@ def _row_end(RowColumns, r, P_pad, S, PAGE: tl.constexpr):
     return P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)
 
 
-@triton.jit(do_not_specialize=["num_splits", "keys_per_split", "P_pad", "S", "spo_r", "spo_h", "spm_r", "spm_h"],
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits", "prefix_per_split", "region_base", "region_cap", "P_pad",
+                               "S", "spo_r", "spo_h", "spm_r", "spm_h"],
             do_not_specialize_on_alignment=["PrefixLen", "RowColumns"])
 def _merge_kernel(
     PartO, PartM, PartL, Out, Lse, RowMax, PrefixLen, RowColumns,
-    num_splits, keys_per_split, P_pad, S, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
-    DV: tl.constexpr, PAGE: tl.constexpr,
+    num_splits, prefix_splits, prefix_per_split, region_base, region_cap, P_pad, S, spo_r, spo_h, spo_s, spm_r,
+    spm_h, so_r, so_h,
+    DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, BALANCED: tl.constexpr,
 ):
     """Grid (rows, query heads): the splits merged by their log-sum-exp, one
     after another in split order. A split that saw none of the row's keys
@@ -494,12 +524,16 @@ def _merge_kernel(
     row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
     top = tl.full([], -1e30, tl.float32)
     for sp in range(num_splits):
-        live = _dead_split(sp, keys_per_split, plen, P_pad, row_end) == 0
+        start, end = _split_span(sp, prefix_splits, prefix_per_split, region_base, region_cap, P_pad, row_end,
+                                 BLOCK, BALANCED)
+        live = _dead_split(start, end, plen, P_pad, row_end) == 0
         top = tl.maximum(top, tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30))
     total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([DV], tl.float32)
     for sp in range(num_splits):
-        live = _dead_split(sp, keys_per_split, plen, P_pad, row_end) == 0
+        start, end = _split_span(sp, prefix_splits, prefix_per_split, region_base, region_cap, P_pad, row_end,
+                                 BLOCK, BALANCED)
+        live = _dead_split(start, end, plen, P_pad, row_end) == 0
         w = tl.exp(tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30) - top)
         total += tl.load(PartL + r * spm_r + hq * spm_h + sp, mask=live, other=0.0) * w
         acc += tl.load(PartO + r * spo_r + hq * spo_h + sp * spo_s + dv, mask=live, other=0.0) * w
@@ -620,19 +654,24 @@ def default_splits(keys: int) -> int:
     return int(max(1, min(MAX_DEFAULT_SPLITS, triton.cdiv(max(keys, 1), KEYS_PER_SPLIT))))
 
 
-def row_splits(prefix: int, slots: int, block: int) -> tuple[int, int]:
-    """The default split layout (keys per split, padded prefix): splits of
-    KEYS_PER_SPLIT keys, the prefix padded to whole splits so the region
-    starts on a split boundary. A row's prefix keys then fall in splits
-    0, 1, ... and its region keys in the region's first splits on, the same
-    for the row alone and beside longer rows: its outputs are the same bits
-    in any batch (the merge adds the empty splits as exact zeros). Past
-    MAX_DEFAULT_SPLITS splits the split doubles (a batch of over 8K keys:
-    there a row's sums follow the batch's longest row)."""
+def row_splits(prefix: int, slots: int, block: int) -> tuple[int, int, int]:
+    """The default split layout (prefix keys a split, padded prefix, most
+    region keys a split): the prefix in splits of KEYS_PER_SPLIT keys,
+    padded to whole splits so the region starts on a split boundary; each
+    row's region in the fewest equal splits of at most
+    REGION_KEYS_PER_SPLIT keys (_split_span). A row's prefix keys then fall
+    in splits 0, 1, ... and its region keys in the region's first splits
+    on, cut by its own columns, the same for the row alone and beside
+    longer rows: its outputs are the same bits in any batch (the merge adds
+    the empty splits as exact zeros). Past MAX_DEFAULT_SPLITS splits both
+    sizes double (a batch of over 8K keys: there a row's sums follow the
+    batch's longest row)."""
     per_split = max(KEYS_PER_SPLIT, block)
-    while triton.cdiv(prefix, per_split) + triton.cdiv(slots, per_split) > MAX_DEFAULT_SPLITS:
+    region_cap = max(REGION_KEYS_PER_SPLIT, block)
+    while triton.cdiv(prefix, per_split) + triton.cdiv(slots, region_cap) > MAX_DEFAULT_SPLITS:
         per_split *= 2
-    return per_split, triton.cdiv(prefix, per_split) * per_split
+        region_cap *= 2
+    return per_split, triton.cdiv(prefix, per_split) * per_split, region_cap
 
 
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
@@ -706,13 +745,18 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         pages = max(1, block // PAGE)
         block = PAGE * (1 << (pages.bit_length() - 1))  # whole pages, a power of two of them
     if num_splits is None:  # batch-invariant: a row's splits do not depend on the other rows (row_splits)
-        per_split, P_pad = row_splits(P, S, block)
+        per_split, P_pad, region_cap = row_splits(P, S, block)
         keys = P_pad + S
-    else:
+        prefix_splits, region_base, balanced = P_pad // per_split, P_pad, True
+        splits = prefix_splits + triton.cdiv(S, region_cap)
+    else:  # equal splits of the batch's own keys, across the prefix's end
         P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
         keys = P_pad + S
-        per_split = triton.cdiv(triton.cdiv(max(keys, 1), num_splits), block) * block
-    splits = triton.cdiv(max(keys, 1), per_split)  # no split past the keys
+        per_split = region_cap = triton.cdiv(triton.cdiv(max(keys, 1), num_splits), block) * block
+        prefix_splits, region_base, balanced = 0, 0, False
+        splits = triton.cdiv(max(keys, 1), per_split)  # no split past the keys
+    splits = max(splits, 1)
+    layout = (prefix_splits, per_split, region_base, region_cap)
     part_o = torch.empty((R, Hq, splits, DV), dtype=torch.float32, device=dev)
     part_m = torch.empty((R, Hq, splits), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
@@ -745,7 +789,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table, row_columns,
         part_o, part_m, part_l, logits, block_max,
         fmt, qk, qv, qks, qvs, qps, qkw, qvw, qkh, qvh,
-        scale, P_pad, S, per_split, null_page,
+        scale, P_pad, S, *layout, null_page,
         *sq,
         q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
@@ -757,26 +801,33 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         STORE_REGION_LOGITS=observing, STORE_PREFIX_LOGITS=sparsity,
         QUANT=0 if quant is None else (1 if variant == "old" else 2),
         HAS_FP8=quant is not None and qk.shape[-1] >= D,  # rows as wide as head_dim: the 8-bit class
-        num_warps=num_warps, num_stages=num_stages,
+        BALANCED=balanced, num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((R, Hq, DV), dtype=q.dtype, device=dev)
     lse = torch.empty((R, Hq), dtype=torch.float32, device=dev)
     row_max = torch.empty_like(lse)
     _merge_kernel[(R, Hq)](
         part_o, part_m, part_l, out, lse, row_max, prefix_len, row_columns,
-        splits, per_split, P_pad, S, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
+        splits, *layout, P_pad, S, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
         part_m.stride(1),
-        out.stride(0), out.stride(1), DV=DV, PAGE=PAGE,
+        out.stride(0), out.stride(1), DV=DV, PAGE=PAGE, BLOCK=block, BALANCED=balanced,
     )
     obs = Observations()
     if not observing:
         return out, obs
     want_attention = bool(needs & Need.ATTENTION)
     want_pv = bool(needs & Need.PV_NORM)
-    attention = torch.zeros((R, Hkv, S), dtype=torch.float32, device=dev) if region_obs else block_max
-    pv_norm = torch.zeros_like(attention) if want_pv else attention
-    sparse = torch.zeros((R, Hq), dtype=torch.float32, device=dev)
-    seen = torch.zeros_like(sparse)
+    # The pass's outputs in one zeroed allocation (one fill a layer, not four:
+    # at serving's shapes each fill costs a launch more than its bytes).
+    region_cells, head_cells = R * Hkv * S, R * Hq
+    scratch = torch.zeros(((1 + want_pv) * region_cells if region_obs else 0) + (2 * head_cells if sparsity else 0),
+                          dtype=torch.float32, device=dev)
+    attention = pv_norm = sparse = seen = block_max  # placeholders where the kernel reads nothing
+    if region_obs:
+        attention = scratch[:region_cells].view(R, Hkv, S)
+        pv_norm = scratch[region_cells:2 * region_cells].view(R, Hkv, S) if want_pv else attention
+    if sparsity:
+        sparse, seen = scratch[scratch.numel() - 2 * head_cells:].view(2, R, Hq).unbind(0)
     first_block = 0 if sparsity else P_pad // block  # without SPARSITY only the region's keys are read
     vnorm = region_vnorm if region_vnorm is not None else block_max
     if blocks > first_block:
