@@ -1,7 +1,6 @@
 """A mixed batch's decode attention against its members', kernel by kernel:
 
-    python bench/mixed_attention_ab.py OUT.json [--rows 128] [--split-keys 256,1024] [--region-keys 256,512]
-        [--quick]
+    python bench/mixed_attention_ab.py OUT.json [--rows 128] [--split-keys 256,1024] [--quick]
 
 One layer's decode_attention (kernels/decode_attention.py) on a synthetic
 step shaped as a served one (bench/results/logs/h200-2026-12-02d: 128 rows of
@@ -16,8 +15,8 @@ layer past the first: 27 of a step's 28 launches). Times:
   mean weighted by rows is what the mix would cost at its members' speed;
 * variants of the mix that drop one thing at a time (sparsity, |p*v|, the
   observation pass) and knobs of the kernel (observation blocks a program,
-  keys a split, the most region keys a split), to say which part of the
-  excess is whose; each knob's value split by kernel too.
+  the most keys a split), to say which part of the excess is whose; each
+  split size timed by kernel too.
 
 Each timing is the GPU time of one launch (a step launches one per layer),
 from CUDA graph replays as the engine runs them. Writes OUT.json
@@ -168,10 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="a few iterations (a check that it runs)")
     ap.add_argument("--split-keys", type=ints, default=[256, 1024],
-                    help="keys a split, the prefix's and the region's at most (KEYS_PER_SPLIT and "
-                         "REGION_KEYS_PER_SPLIT; multiples of the kernel's block, 32)")
-    ap.add_argument("--region-keys", type=ints, default=[256, 384, 512],
-                    help="the most region keys a split (REGION_KEYS_PER_SPLIT), the prefix's splits as served")
+                    help="KEYS_PER_SPLIT values to time the mix at (multiples of the kernel's block, 32)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a GPU")
@@ -201,20 +197,14 @@ def main(argv=None) -> int:
                  "mixed, every class at 20 columns": kernel_ms(call(narrow_step, narrow_needs))}
     # Keys a split: `_partial_kernel` is latency-bound at these shapes (its
     # time follows the longest split's chain of blocks, as long as the
-    # programs fit in one wave), so the sweeps look for the split that
+    # programs fit in one wave), so the sweep looks for the split that
     # keeps the wide rows' chains as short as the narrow rows' without a
-    # second wave. --split-keys moves the prefix's padding too;
-    # --region-keys the region's cut only.
-    sweeps = [(f"{keys} keys a split", {"KEYS_PER_SPLIT": keys, "REGION_KEYS_PER_SPLIT": keys})
-              for keys in args.split_keys]
-    sweeps += [(f"at most {keys} region keys a split", {"REGION_KEYS_PER_SPLIT": keys}) for keys in args.region_keys]
-    for label, knobs in sweeps:
-        with contextlib.ExitStack() as stack:
-            for name, value in knobs.items():
-                stack.enter_context(knob(name, value))
-            results[f"mixed, {label}"] = time_step(step, needs, iters)
-            results[f"mixed, {label}, attention only"] = time_step(step, Need.NONE, iters)
-            breakdown[f"mixed, {label}"] = kernel_ms(call(step, needs))
+    # second wave.
+    for keys in args.split_keys:
+        with knob("KEYS_PER_SPLIT", keys):
+            results[f"mixed, {keys} keys a split"] = time_step(step, needs, iters)
+            results[f"mixed, {keys} keys a split, attention only"] = time_step(step, Need.NONE, iters)
+            breakdown[f"mixed, {keys} keys a split"] = kernel_ms(call(step, needs))
     members = {}
     for cls in CLASSES:
         s, n = make_step([cls], args.rows, dev, dtype)
