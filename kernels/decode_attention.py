@@ -50,14 +50,10 @@ OBSERVE_BLOCKS_PER_PROGRAM = 8
 #: ln(SPARSITY_THRESHOLD): a probability below threshold x the row max has a
 #: logit below the row's max logit + this.
 LOG_SPARSITY = math.log(SPARSITY_THRESHOLD)
-#: The most keys of one split by default: each row's own keys (its prefix,
-#: then its region) in the fewest splits of at most this many, of equal size
-#: in whole blocks (_row_layout). The cut follows the row's own lengths only,
-#: so a row's outputs are the same bits in any batch (doubled past
+#: Keys of one split by default: the prefix and the region each start at a
+#: split boundary, so a row's keys fall in the same splits whatever the
+#: batch's longest prefix and widest row (row_splits; doubled past
 #: MAX_DEFAULT_SPLITS splits, which only batches of over 8K keys reach).
-#: The kernel is latency-bound at serving's shapes: a split less per row
-#: is a program less to schedule, and a wide row beside narrow ones gets
-#: equal halves, not one split of 512 and a short one.
 KEYS_PER_SPLIT = 512
 MAX_DEFAULT_SPLITS = 16
 
@@ -348,14 +344,14 @@ def _tbq_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scal
 #: Triton specializes pointers on that alignment: a new row count compiled
 #: another variant in the middle of serving (1.1 s a step, H200 traffic
 #: 2026-11-29). They are read one value a program, so nothing is lost.
-@triton.jit(do_not_specialize=["P_pad", "S", "split_keys", "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r",
+@triton.jit(do_not_specialize=["P_pad", "S", "keys_per_split", "sps_r", "st_r", "st_h", "spo_r", "spo_h", "spm_r",
                                "spm_h", "sbm_r", "sbm_h"],
             do_not_specialize_on_alignment=["PrefixLen", "RowColumns"])
 def _partial_kernel(
     Q, PoolK, PoolV, PrefixSlots, PrefixLen, RegK, RegV, Valid, Table, RowColumns,
     PartO, PartM, PartL, Logits, BlockMax,
     Format, QK, QV, QKScale, QVScale, QPageScale, QKW, QVW, QKH, QVH,
-    scale, P_pad, S, split_keys, null_page,
+    scale, P_pad, S, keys_per_split, null_page,
     sq_c, sq_o, sqks_r, sqvs_r, sqvs_o, sw_c, sw_o, sh_c, sh_o,
     sq_r, sq_h,
     spk_n, spk_h, spv_n, spv_h,
@@ -365,18 +361,16 @@ def _partial_kernel(
     slg_r, slg_h, sbm_r, sbm_h,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK: tl.constexpr, STORE_REGION_LOGITS: tl.constexpr, STORE_PREFIX_LOGITS: tl.constexpr,
-    QUANT: tl.constexpr, HAS_FP8: tl.constexpr, ROW_LAYOUT: tl.constexpr,
+    QUANT: tl.constexpr, HAS_FP8: tl.constexpr,
 ):
     """Grid (rows, kv heads, splits): one split of one row's keys for the G
     query heads of one kv head; partial output, max and sum per query head.
     Keys: [0, P_pad) the prefix (padded to whole blocks), then [P_pad,
     P_pad + S) the region; a block is all prefix or all region, so each part
-    has a loop of its own with only its loads. A split covers a stretch of
-    the row's own keys (_row_layout: its prefix's blocks, then its
-    region's). QUANT: 0 full-precision pages only; 1 quantized pages too, a
-    block being one page with a branch on its format (the "old" variant); 2
-    quantized pages too, blocks of several pages of any formats
-    (`_tbq_region`)."""
+    has a loop of its own with only its loads. QUANT: 0 full-precision
+    pages only; 1 quantized pages too, a block being one page with a branch
+    on its format (the "old" variant); 2 quantized pages too, blocks of
+    several pages of any formats (`_tbq_region`)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -386,21 +380,19 @@ def _partial_kernel(
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
     plen = tl.load(PrefixLen + r)
+    start = split * keys_per_split  # a multiple of BLOCK, as P_pad is
     row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
-    own_prefix, per_split = _row_layout(plen, row_end, P_pad, split_keys, BLOCK, ROW_LAYOUT)
-    row_keys = own_prefix + row_end - P_pad
-    start = split * per_split  # of the row's keys: a multiple of BLOCK, as own_prefix is
-    if _dead_split(start, start + per_split, plen, own_prefix, row_keys):
+    if _dead_split(split, keys_per_split, plen, P_pad, row_end):
         return  # nothing of this row's: the merge skips it
-    end = tl.minimum(start + per_split, row_keys)
     q = tl.load(Q + r * sq_r + hq[:, None] * sq_h + d[None, :], mask=g_ok[:, None], other=0.0)
+    end = tl.minimum(start + keys_per_split, row_end)
     m = tl.full([G_PAD], -1e30, tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
     # The shared prefix, in SGLang's token pool: this row's blocks only (P_pad
     # is the batch's longest prefix; the blocks past the row's own are
     # skipped, their logits left unwritten: the observation masks them).
-    for n0 in range(start, tl.minimum(tl.minimum(end, own_prefix), tl.cdiv(plen, BLOCK) * BLOCK), BLOCK):
+    for n0 in range(start, tl.minimum(tl.minimum(end, P_pad), tl.cdiv(plen, BLOCK) * BLOCK), BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         seen = n < plen
         slot = tl.load(PrefixSlots + r * sps_r + n, mask=seen, other=0)
@@ -408,11 +400,8 @@ def _partial_kernel(
         v = tl.load(PoolV + slot[:, None] * spv_n + h * spv_h + dv[None, :], mask=seen[:, None], other=0.0)
         m, l, acc = _accumulate(_scores(q, k, seen, scale), v, m, l, acc, n, hq, g_ok, n < P_pad, Logits, BlockMax,
                                 r, slg_r, slg_h, sbm_r, sbm_h, BLOCK, STORE_PREFIX_LOGITS)
-    # The region's keys of the split, as indices past P_pad (where the
-    # logits and the observation pass put them).
-    first = P_pad + tl.maximum(start, own_prefix) - own_prefix
-    end = P_pad + end - own_prefix
     if QUANT == 2:  # one of three loops per program, by the kinds of pages its keys lie in
+        first = tl.maximum(start, P_pad)
         full, quant = _page_kinds(Table, r, h, st_r, st_h, first, end, P_pad, null_page, PAGE)
         if quant == 0:
             m, l, acc = _full_region(q, m, l, acc, r, h, hq, g_ok, first, end, P_pad, null_page, scale, Table, Valid,
@@ -431,7 +420,7 @@ def _partial_kernel(
                                     srk_p, srk_o, srv_p, srv_o, sva_p, st_r, st_h, slg_r, slg_h, sbm_r, sbm_h, D, DV,
                                     PAGE, BLOCK, STORE_REGION_LOGITS, HAS_FP8, True)
     else:
-        for n0 in range(first, end, BLOCK):  # the private slots, in region pages
+        for n0 in range(tl.maximum(start, P_pad), end, BLOCK):  # the private slots, in region pages
             n = n0 + tl.arange(0, BLOCK)
             in_region = n < end
             s = n - P_pad
@@ -465,34 +454,15 @@ def _partial_kernel(
 
 
 @triton.jit
-def _row_layout(plen, row_end, P_pad, split_keys, BLOCK: tl.constexpr, ROW_LAYOUT: tl.constexpr):
-    """How a row's keys fall in splits: (own_prefix, per_split). A row's
-    keys are its prefix's first own_prefix (whole blocks), then its region;
-    split j holds keys [j * per_split, (j + 1) * per_split) of them.
-    ROW_LAYOUT: the row's own keys in the fewest splits of at most
-    split_keys, equal in whole blocks (the splits past them are empty):
-    from the row's own lengths only. Else the batch's padded keys in splits
-    of split_keys (a layout of the batch's own keys, for A/B timings)."""
-    if ROW_LAYOUT:
-        own_prefix = tl.cdiv(plen, BLOCK) * BLOCK
-        keys = own_prefix + row_end - P_pad
-        pieces = tl.maximum(tl.cdiv(keys, split_keys), 1)
-        per_split = tl.cdiv(tl.cdiv(keys, pieces), BLOCK) * BLOCK
-    else:
-        own_prefix = P_pad
-        per_split = split_keys
-    return own_prefix, per_split
-
-
-@triton.jit
-def _dead_split(start, end, plen, own_prefix, row_keys):
-    """A split [start, end) of a row's keys that sees none of them: past
-    the row's keys (a batch's longer or wider row made it: a mixed batch's
-    snapkv or `full` rows), or, in the batch's padded layout, between its
-    prefix's end and the region. The partial kernel writes nothing for it
-    and the merge skips it, as it would add an empty split's exact zeros
-    (m -1e30, l 0, o 0)."""
-    return (start >= row_keys) | ((start >= plen) & (end <= own_prefix))
+def _dead_split(split, keys_per_split, plen, P_pad, row_end):
+    """A split that sees none of the row's keys: wholly past the row's
+    prefix and before the region (a batch's longer prefix made it), or past
+    the row's own region columns (a batch's wider row made it: a mixed
+    batch's snapkv or `full` rows; every region split of a pool-only row).
+    The partial kernel writes nothing for it and the merge skips it, as it
+    would add an empty split's exact zeros (m -1e30, l 0, o 0)."""
+    start = split * keys_per_split
+    return ((start >= plen) & (start + keys_per_split <= P_pad)) | (start >= row_end)
 
 
 @triton.jit
@@ -503,12 +473,12 @@ def _row_end(RowColumns, r, P_pad, S, PAGE: tl.constexpr):
     return P_pad + tl.minimum(S, tl.load(RowColumns + r).to(tl.int32) * PAGE)
 
 
-@triton.jit(do_not_specialize=["num_splits", "split_keys", "P_pad", "S", "spo_r", "spo_h", "spm_r", "spm_h"],
+@triton.jit(do_not_specialize=["num_splits", "keys_per_split", "P_pad", "S", "spo_r", "spo_h", "spm_r", "spm_h"],
             do_not_specialize_on_alignment=["PrefixLen", "RowColumns"])
 def _merge_kernel(
     PartO, PartM, PartL, Out, Lse, RowMax, PrefixLen, RowColumns,
-    num_splits, split_keys, P_pad, S, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
-    DV: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, ROW_LAYOUT: tl.constexpr,
+    num_splits, keys_per_split, P_pad, S, spo_r, spo_h, spo_s, spm_r, spm_h, so_r, so_h,
+    DV: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Grid (rows, query heads): the splits merged by their log-sum-exp, one
     after another in split order. A split that saw none of the row's keys
@@ -522,16 +492,14 @@ def _merge_kernel(
     dv = tl.arange(0, DV)
     plen = tl.load(PrefixLen + r)
     row_end = _row_end(RowColumns, r, P_pad, S, PAGE)
-    own_prefix, per_split = _row_layout(plen, row_end, P_pad, split_keys, BLOCK, ROW_LAYOUT)
-    row_keys = own_prefix + row_end - P_pad
     top = tl.full([], -1e30, tl.float32)
     for sp in range(num_splits):
-        live = _dead_split(sp * per_split, (sp + 1) * per_split, plen, own_prefix, row_keys) == 0
+        live = _dead_split(sp, keys_per_split, plen, P_pad, row_end) == 0
         top = tl.maximum(top, tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30))
     total = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([DV], tl.float32)
     for sp in range(num_splits):
-        live = _dead_split(sp * per_split, (sp + 1) * per_split, plen, own_prefix, row_keys) == 0
+        live = _dead_split(sp, keys_per_split, plen, P_pad, row_end) == 0
         w = tl.exp(tl.load(PartM + r * spm_r + hq * spm_h + sp, mask=live, other=-1e30) - top)
         total += tl.load(PartL + r * spm_r + hq * spm_h + sp, mask=live, other=0.0) * w
         acc += tl.load(PartO + r * spo_r + hq * spo_h + sp * spo_s + dv, mask=live, other=0.0) * w
@@ -653,18 +621,18 @@ def default_splits(keys: int) -> int:
 
 
 def row_splits(prefix: int, slots: int, block: int) -> tuple[int, int]:
-    """The default split layout (the most keys a split, the split count):
-    each row's keys, its own prefix's blocks then its region, in the fewest
-    equal splits of at most KEYS_PER_SPLIT keys (_row_layout), so the same
+    """The default split layout (keys per split, padded prefix): splits of
+    KEYS_PER_SPLIT keys, the prefix padded to whole splits so the region
+    starts on a split boundary. A row's prefix keys then fall in splits
+    0, 1, ... and its region keys in the region's first splits on, the same
     for the row alone and beside longer rows: its outputs are the same bits
-    in any batch (the merge skips the empty splits past them). Past
-    MAX_DEFAULT_SPLITS splits the size doubles (a batch of over 8K keys:
+    in any batch (the merge adds the empty splits as exact zeros). Past
+    MAX_DEFAULT_SPLITS splits the split doubles (a batch of over 8K keys:
     there a row's sums follow the batch's longest row)."""
     per_split = max(KEYS_PER_SPLIT, block)
-    keys = triton.cdiv(prefix, block) * block + slots
-    while triton.cdiv(keys, per_split) > MAX_DEFAULT_SPLITS:
+    while triton.cdiv(prefix, per_split) + triton.cdiv(slots, per_split) > MAX_DEFAULT_SPLITS:
         per_split *= 2
-    return per_split, max(1, triton.cdiv(keys, per_split))
+    return per_split, triton.cdiv(prefix, per_split) * per_split
 
 
 def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, region_valid, table, scale,
@@ -737,13 +705,14 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
             raise ValueError(f"unknown variant {variant!r}")
         pages = max(1, block // PAGE)
         block = PAGE * (1 << (pages.bit_length() - 1))  # whole pages, a power of two of them
-    P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
-    keys = P_pad + S
-    if num_splits is None:  # batch-invariant: a row's splits follow its own keys (row_splits)
-        split_keys, splits = row_splits(P, S, block)
-    else:  # equal splits of the batch's padded keys
-        split_keys = triton.cdiv(triton.cdiv(max(keys, 1), num_splits), block) * block
-        splits = triton.cdiv(max(keys, 1), split_keys)  # no split past the keys
+    if num_splits is None:  # batch-invariant: a row's splits do not depend on the other rows (row_splits)
+        per_split, P_pad = row_splits(P, S, block)
+        keys = P_pad + S
+    else:
+        P_pad = triton.cdiv(P, block) * block  # the prefix in whole blocks: a block is prefix or region
+        keys = P_pad + S
+        per_split = triton.cdiv(triton.cdiv(max(keys, 1), num_splits), block) * block
+    splits = triton.cdiv(max(keys, 1), per_split)  # no split past the keys
     part_o = torch.empty((R, Hq, splits, DV), dtype=torch.float32, device=dev)
     part_m = torch.empty((R, Hq, splits), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
@@ -776,7 +745,7 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         q, pool_k, pool_v, prefix_slots, prefix_len, region_k, region_v, valid, table, row_columns,
         part_o, part_m, part_l, logits, block_max,
         fmt, qk, qv, qks, qvs, qps, qkw, qvw, qkh, qvh,
-        scale, P_pad, S, split_keys, null_page,
+        scale, P_pad, S, per_split, null_page,
         *sq,
         q.stride(0), q.stride(1),
         pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
@@ -788,24 +757,24 @@ def decode_attention(q, pool_k, pool_v, prefix_slots, prefix_len, region_k, regi
         STORE_REGION_LOGITS=observing, STORE_PREFIX_LOGITS=sparsity,
         QUANT=0 if quant is None else (1 if variant == "old" else 2),
         HAS_FP8=quant is not None and qk.shape[-1] >= D,  # rows as wide as head_dim: the 8-bit class
-        ROW_LAYOUT=num_splits is None, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((R, Hq, DV), dtype=q.dtype, device=dev)
     lse = torch.empty((R, Hq), dtype=torch.float32, device=dev)
     row_max = torch.empty_like(lse)
     _merge_kernel[(R, Hq)](
         part_o, part_m, part_l, out, lse, row_max, prefix_len, row_columns,
-        splits, split_keys, P_pad, S, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
+        splits, per_split, P_pad, S, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0),
         part_m.stride(1),
-        out.stride(0), out.stride(1), DV=DV, PAGE=PAGE, BLOCK=block, ROW_LAYOUT=num_splits is None,
+        out.stride(0), out.stride(1), DV=DV, PAGE=PAGE,
     )
     obs = Observations()
     if not observing:
         return out, obs
     want_attention = bool(needs & Need.ATTENTION)
     want_pv = bool(needs & Need.PV_NORM)
-    # The pass's outputs in one zeroed allocation (one fill a layer, not four:
-    # at serving's shapes each fill costs a launch more than its bytes).
+    # The pass's outputs in one zeroed allocation: one fill a layer, not four
+    # (at serving's shapes a fill costs its launch more than its bytes).
     region_cells, head_cells = R * Hkv * S, R * Hq
     scratch = torch.zeros(((1 + want_pv) * region_cells if region_obs else 0) + (2 * head_cells if sparsity else 0),
                           dtype=torch.float32, device=dev)

@@ -276,40 +276,12 @@ def test_a_rows_output_is_the_same_bits_beside_longer_rows(kernel, dtype):
     assert (alone_splits, batch_splits) == (1, 3) and not torch.equal(old_alone[0], old_batch[0])
 
 
-@pytest.mark.parametrize("prefix,columns,pieces", [(0, 36, 2), (64, 20, 1), (64, 36, 2)])
-def test_a_rows_keys_are_cut_in_equal_splits_by_its_own_lengths(kernel, prefix, columns, pieces):
-    """row_splits: a row's own keys, its prefix then its region, in the
-    fewest equal splits of at most KEYS_PER_SPLIT (512): 576 region keys in
-    two of 288, not 512 and 64 (a wide row's 512-key chain set a mixed
-    step's time: h200-2026-12-02d); a 64-token prefix and 320 region keys
-    in one split, not a split for the prefix and one for the region (a
-    program more a row). The cut follows the row's own lengths, so beside a
-    row of a longer prefix and more columns it is the same: its bits equal
-    equal splits of the row alone (num_splits=pieces)."""
-    R, Hq, Hkv, D, page = 2, 4, 2, 32, 16
-    case = random_case(R, Hq, Hkv, D, 160, 60, page, torch.float16, seed=21, lengths=[prefix, 160], density=1.0)
-    scale = D ** -0.5
-    cols = torch.tensor([columns, 60], dtype=torch.int32)
-    case["table"][0, :, columns:] = case["region_k"].shape[0] - 1  # the null page
-    batch, _ = kernel.decode_attention(**case, scale=scale, needs=ALL, row_columns=cols)
-    alone = {key: (v[:1] if torch.is_tensor(v) and v.shape[:1] == (R,) else v) for key, v in case.items()}
-    alone.update(prefix_slots=case["prefix_slots"][:1, :prefix], table=case["table"][:1, :, :columns])
-    single, _ = kernel.decode_attention(**alone, scale=scale, needs=ALL, row_columns=cols[:1])
-    equal, _ = kernel.decode_attention(**alone, scale=scale, needs=ALL, num_splits=pieces)
-    other, _ = kernel.decode_attention(**alone, scale=scale, needs=ALL, num_splits=pieces + 1)
-    assert torch.equal(single[0], batch[0]) and torch.equal(single, equal)
-    assert not torch.equal(equal, other)  # the bits follow the cut: the equality above pins it
-    ref_out, _ = reference(case, scale, ALL)
-    torch.testing.assert_close(batch.float(), ref_out.float(), atol=2e-3, rtol=2e-3)
-
-
 @pytest.mark.parametrize("row_observe", [None, [0b111, 0b001, 0b010]])
 def test_splits_between_a_rows_prefix_and_the_region_are_neither_written_nor_read(kernel, row_observe):
     """Beside a row of a long prefix (a `full` row of 1,700 tokens: four
-    splits), a short row's splits past its own keys hold none of them: the
-    partial kernel writes nothing there and the merge does not read them
-    (_dead_split), nor does the observation pass read the blocks between
-    its prefix and the region.
+    splits of 512), a short row's splits past its own prefix hold none of
+    its keys: the partial kernel writes nothing there and the merge does not
+    read them (_dead_split), nor does the observation pass read those blocks.
     The scratch is poisoned first (NaN), so reading an unwritten split or
     block shows; the outputs still match the reference and the row alone."""
     R, Hq, Hkv, D, page = 3, 4, 2, 32, 16
