@@ -212,6 +212,15 @@ def whole_run_comparison(runs: dict, names: list[str], rows: list[str]) -> dict:
     profiled = [n for n in [label, *names] if runs[n].get("whole_run_profiled_steps")]
     if profiled:
         out["runs_with_profiled_steps"] = profiled
+    # Where the whole run loses against the window: the ramp (prefill, the
+    # region filling, the first evictions' graph captures) or after it (the
+    # steady steps, profiled ones and the batch's end).
+    for phase in ("ramp", "after_ramp"):
+        rates = {n: runs[n].get(f"tokens_per_s_{phase}") for n in [label, *names]}
+        if all(rates.values()):
+            phase_mean = harmonic_mean([rates[n] for n in names], [rows.count(n) for n in names])
+            out[phase] = {"mixed_tokens_per_s": rates[label], "members_harmonic_mean_tokens_per_s": round(phase_mean, 1),
+                          "ratio": round(rates[label] / phase_mean, 3)}
     return out
 
 
@@ -463,6 +472,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
             await asyncio.gather(*tasks)  # raises the request's error
         await asyncio.sleep(0.05)
     ramp_s = time.perf_counter() - started
+    ramp_tokens = sum(counts)
     # Chunks arrive every STREAM_INTERVAL tokens per request: a window of
     # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
@@ -494,6 +504,8 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
               # profiled steps too, which the comparison says).
               "tokens_per_s_whole_run": round(sum(counts) / whole_s, 1), "whole_run_s": round(whole_s, 1),
               "whole_run_profiled_steps": cfg["steps"],
+              "tokens_per_s_ramp": round(ramp_tokens / ramp_s, 1),
+              "tokens_per_s_after_ramp": round((sum(counts) - ramp_tokens) / max(whole_s - ramp_s, 1e-9), 1),
               "window_full": window_full,
               "graphs": graph_rates(graphs_before, graphs_after, (after[1] - before[1]) / n)}
     if sampler is not None:

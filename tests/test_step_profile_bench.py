@@ -56,6 +56,14 @@ def test_comparison_of_a_mixed_run_with_its_members():
     out = step_profile.comparison(runs, ["streaming", "rkv"], 4)
     assert out["whole_run"]["ratio"] == 0.76 and out["methods_agree_within_10pct"] is True
     assert out["whole_run"]["runs_with_profiled_steps"] == ["mixed:streaming+rkv"]
+    # The whole run in its two phases, where the runs have them: the ramp and after it.
+    assert "ramp" not in out["whole_run"]
+    for name, ramp, after in (("streaming", 60.0, 120.0), ("rkv", 180.0, 360.0), ("mixed:streaming+rkv", 45.0, 144.0)):
+        runs[name].update(tokens_per_s_ramp=ramp, tokens_per_s_after_ramp=after)
+    whole = step_profile.comparison(runs, ["streaming", "rkv"], 4)["whole_run"]
+    assert whole["ramp"] == {"mixed_tokens_per_s": 45.0, "members_harmonic_mean_tokens_per_s": 90.0, "ratio": 0.5}
+    assert whole["after_ramp"] == {"mixed_tokens_per_s": 144.0, "members_harmonic_mean_tokens_per_s": 180.0,
+                                   "ratio": 0.8}
     # A member without a solo run: named, no mean.
     out = step_profile.comparison({"mixed:a+b": {"tokens_per_s_unprofiled": 5.0}, "a": {"tokens_per_s_unprofiled": 5.0}},
                                   ["a", "b"], 2)
@@ -129,6 +137,8 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     assert comp["mixed"] == "mixed:streaming+crystalcache" and comp["ratio"] > 0
     assert all(r["tokens_per_s_whole_run"] > 0 and r["whole_run_s"] > 0 for r in result["runs"].values())
     assert comp["whole_run"]["ratio"] > 0 and isinstance(comp["methods_agree_within_10pct"], bool)
+    assert all(r["tokens_per_s_ramp"] > 0 and r["tokens_per_s_after_ramp"] > 0 for r in result["runs"].values())
+    assert comp["whole_run"]["ramp"]["ratio"] > 0 and comp["whole_run"]["after_ramp"]["ratio"] > 0
     assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
         [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
 
