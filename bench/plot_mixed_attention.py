@@ -39,8 +39,8 @@ def main() -> None:
         for case, kernels in breakdown(path).items():
             parts = {name: kernels.get(key, 0.0) for key, name in PARTS}
             parts["other kernels"] = sum(kernels.values()) - sum(parts.values())
-            bars.append((f"{case}\n({label})", parts))
-    fig, ax = plt.subplots(figsize=(14, 4.8))
+            bars.append((f"{label}: {case}", parts))
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 1.2 + 0.3 * len(bars))))  # a readable row a bar
     left = [0.0] * len(bars)
     for name in [n for _, n in PARTS] + ["other kernels"]:
         values = [parts[name] * 1000 for _, parts in bars]
