@@ -36,6 +36,13 @@ host work such as CrystalCache's breath cycle), `host groups`
 (host_groups_ms likewise: groups run eagerly after the stack) or `other`.
 It says why a whole run's tokens/s and a steady window's differ (issue
 #29 asks for both).
+
+    python bench/capture_churn.py STEPS.jsonl --profile STEP_PROFILE.json
+
+cuts a log written through a `bench/step_profile.py` call (one engine,
+its runs one after another) by each run's `wall_clock`: per run, the same
+analysis of its ramp and of the rest (`runs`), e.g. which captures and
+compiles a mixed batch's ramp pays that its members' do not.
 """
 
 from __future__ import annotations
@@ -206,6 +213,23 @@ def time_budget(lines: list[dict]) -> dict:
             "median_step_tokens_per_s": round(rows / median, 1) if median else None}
 
 
+def between(lines: list[dict], start: float, end: float) -> list[dict]:
+    """The log's forwards that started in [start, end) (epoch seconds)."""
+    return [x for x in lines if start <= x.get("t", -1.0) < end]
+
+
+def runs_of_profile(lines: list[dict], profile: dict) -> dict:
+    """Each step_profile run's ramp and the rest after it, analysed apart
+    (runs without `wall_clock`, older results, are left out)."""
+    out = {}
+    for label, run in profile.get("runs", {}).items():
+        wall = run.get("wall_clock")
+        if wall:
+            out[label] = {"ramp": churn(between(lines, wall["start"], wall["ramp_end"])),
+                          "after_ramp": churn(between(lines, wall["ramp_end"], wall["end"]))}
+    return out
+
+
 def churn(lines: list[dict]) -> dict:
     decode = [x for x in lines if x.get("mode") == "decode" and "region" in x]
     kinds: dict = {}
@@ -244,8 +268,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("steps", help="a kvsieve step log (.jsonl, or .jsonl.gz)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
+    ap.add_argument("--profile", default=None,
+                    help="a step_profile.py result whose runs wrote the log: each run's ramp and rest apart")
     args = ap.parse_args()
-    result = {"step_log": args.steps, **churn(read_steps(args.steps))}
+    lines = read_steps(args.steps)
+    result = {"step_log": args.steps, **churn(lines)}
+    if args.profile:
+        result["runs"] = runs_of_profile(lines, json.loads(Path(args.profile).read_text()))
+        for label, phases in result["runs"].items():
+            for phase, r in phases.items():
+                slow = {k: v["s"] for k, v in r["kinds"].items() if k not in REPLAYS}
+                print(f"{label[:40]:40s} {phase:10s} {r['decode_steps']:5d} decode steps, "
+                      f"{r['time_budget'].get('decode_s', 0):6.2f} s; not replays {slow}; "
+                      f"compiles {len(r['compiles'])}")
     print(f"{result['decode_steps']} decode steps; {result['slow_steps']} not replays, "
           f"{100 * (result['slow_share_of_decode_s'] or 0):.0f}% of the decode seconds")
     for kind, entry in sorted(result["kinds"].items(), key=lambda kv: -kv[1]["s"]):

@@ -460,6 +460,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     rows = deal(names, n)
     counts = [0] * n
     started = time.perf_counter()
+    wall = {"start": round(time.time(), 3)}  # epoch seconds: the step log's clock (capture_churn --profile)
 
     async def one(i, ids):
         sampling = headline.params(budget + cfg["gen_extra"], policies[rows[i]])
@@ -473,6 +474,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
         await asyncio.sleep(0.05)
     ramp_s = time.perf_counter() - started
     ramp_tokens = sum(counts)
+    wall["ramp_end"] = round(time.time(), 3)
     # Chunks arrive every STREAM_INTERVAL tokens per request: a window of
     # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
@@ -495,6 +497,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
                                                                 record_shapes=False, profile_id=profile_id))
     await asyncio.gather(*tasks)
     whole_s = time.perf_counter() - started
+    wall["end"] = round(time.time(), 3)
     result = {("policy" if len(names) == 1 else "policies"): policies[names[0]] if len(names) == 1 else policies,
               "requests": n,
               "ramp_s": round(ramp_s, 1), "tokens_per_s_unprofiled": round(unprofiled, 1),
@@ -506,7 +509,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
               "whole_run_profiled_steps": cfg["steps"],
               "tokens_per_s_ramp": round(ramp_tokens / ramp_s, 1),
               "tokens_per_s_after_ramp": round((sum(counts) - ramp_tokens) / max(whole_s - ramp_s, 1e-9), 1),
-              "window_full": window_full,
+              "window_full": window_full, "wall_clock": wall,
               "graphs": graph_rates(graphs_before, graphs_after, (after[1] - before[1]) / n)}
     if sampler is not None:
         result["pyspy"] = finish_pyspy(*sampler)

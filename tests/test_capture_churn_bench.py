@@ -139,3 +139,19 @@ def test_captures_soon_after_a_graph_reset_are_counted_as_the_resets():
     assert budget["median_step_ms"] == 10.0
     assert budget["captures_after_resets_s"] == 0.09 + 0.05  # the reset's step and the capture after it
     assert budget["excess_s"]["group_capture"] == 0.05 + 0.04  # the late one counts there, not as the reset's
+
+
+def test_a_step_profile_calls_log_is_cut_by_each_runs_wall_clock():
+    """--profile: one engine's log holds every run of a step_profile call;
+    each run's ramp and the rest are analysed apart by its wall clock (the
+    log's clock), and a run without one (an older result) is left out."""
+    profile = {"runs": {"mixed": {"wall_clock": {"start": -0.05, "ramp_end": 0.03, "end": 0.07}}, "older": {}}}
+    runs = capture_churn.runs_of_profile(log(), profile)
+    assert set(runs) == {"mixed"}
+    ramp, rest = runs["mixed"]["ramp"], runs["mixed"]["after_ramp"]
+    # The ramp: the warm-up's extend and the decode steps at 0.00 and 0.02 (a
+    # step's time needs the next forward in the window: the first is timed).
+    assert ramp["decode_steps"] == 2 and {k: v["steps"] for k, v in ramp["kinds"].items()} == {"stack_replay": 1}
+    # After it: the steps at 0.04 (it captured its segments) and 0.06.
+    assert rest["decode_steps"] == 2 and {k: v["steps"] for k, v in rest["kinds"].items()} == {"segment_capture": 1}
+    assert capture_churn.between(log(), 0.05, 0.09) == [x for x in log() if 0.05 <= x["t"] < 0.09]

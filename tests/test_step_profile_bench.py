@@ -138,6 +138,10 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     assert all(r["tokens_per_s_whole_run"] > 0 and r["whole_run_s"] > 0 for r in result["runs"].values())
     assert comp["whole_run"]["ratio"] > 0 and isinstance(comp["methods_agree_within_10pct"], bool)
     assert all(r["tokens_per_s_ramp"] > 0 and r["tokens_per_s_after_ramp"] > 0 for r in result["runs"].values())
+    # Each run's wall clock (the step log's clock): capture_churn --profile cuts a log by it.
+    walls = sorted((r["wall_clock"] for r in result["runs"].values()), key=lambda w: w["start"])
+    assert all(w["start"] < w["ramp_end"] <= w["end"] for w in walls)
+    assert all(a["end"] <= b["start"] for a, b in zip(walls, walls[1:]))  # one run after another
     assert comp["whole_run"]["ramp"]["ratio"] > 0 and comp["whole_run"]["after_ramp"]["ratio"] > 0
     assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
         [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
