@@ -79,9 +79,11 @@ def compare(members_doc: dict, mixed_doc: dict, path: str) -> dict:
     total = sum(rows.values())
     expected = {p: [0.0, 0.0] for p in PARTS}
     inverse = 0.0
+    busy = 0.0  # the members' GPU busy ms a step, weighted by their rows
     for member, n in rows.items():
         run = members_doc["runs"][member]
         inverse += n / total / run["tokens_per_s_unprofiled"]
+        busy += run["profile"]["gpu_busy_ms"] / run["profile"]["steps"] * n / total
         for p, (ms, count) in parts_of(run).items():
             expected[p][0] += ms * n / total
             expected[p][1] += count * n / total
@@ -93,6 +95,9 @@ def compare(members_doc: dict, mixed_doc: dict, path: str) -> dict:
         "ratio": round(mixed["tokens_per_s_unprofiled"] * inverse, 3),
         "step_ms_unprofiled": mixed["step_ms_unprofiled"],
         "gpu_busy_ms_per_step": round(profile["gpu_busy_ms"] / profile["steps"], 3),
+        # GPU time alone (no host gaps): steadier call to call than the windows' tokens/s.
+        "members_gpu_busy_ms_per_step": round(busy, 3),
+        "gpu_busy_ratio": round(busy / (profile["gpu_busy_ms"] / profile["steps"]), 3),
         "parts": {p: {"mixed_ms": round(observed[p][0], 3), "members_ms": round(expected[p][0], 3),
                       "extra_ms": round(observed[p][0] - expected[p][0], 3),
                       "mixed_kernels": round(observed[p][1], 1), "members_kernels": round(expected[p][1], 1)}
@@ -136,7 +141,8 @@ def main() -> None:
     for r in results:
         print(f"{r['mixed']}: {r['tokens_per_s']:.0f} tok/s, {r['ratio']:.3f}x the members' harmonic mean "
               f"({r['members_harmonic_mean']:.0f}); GPU busy {r['gpu_busy_ms_per_step']:.2f} ms a step "
-              f"(step {r['step_ms_unprofiled']:.2f} ms unprofiled)")
+              f"(step {r['step_ms_unprofiled']:.2f} ms unprofiled), members' {r['members_gpu_busy_ms_per_step']:.2f}: "
+              f"{r['gpu_busy_ratio']:.3f}x")
         for p, v in r["parts"].items():
             print(f"  {p:<12} {v['mixed_ms']:6.3f} ms ({v['mixed_kernels']:6.1f} kernels)  members "
                   f"{v['members_ms']:6.3f} ({v['members_kernels']:6.1f})  {v['extra_ms']:+.3f}")

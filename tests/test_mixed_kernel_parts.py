@@ -38,6 +38,13 @@ def test_the_parts_cover_the_trace_and_the_yardstick_is_step_profiles():
     assert result["members_harmonic_mean"] == pytest.approx(
         members["comparison"]["members_harmonic_mean_tokens_per_s"], rel=1e-3)
     assert result["ratio"] == pytest.approx(members["comparison"]["ratio"], abs=1e-3)
+    # GPU busy time alone: the same ratio step_profile's comparison gives for the run.
+    import step_profile
+
+    names = list(result["rows"])
+    busy = step_profile.gpu_busy_comparison(members["runs"], names, step_profile.deal(names, sum(result["rows"].values())))
+    assert result["gpu_busy_ratio"] == pytest.approx(busy["ratio"], abs=1e-3)
+    assert result["members_gpu_busy_ms_per_step"] == pytest.approx(busy["members_harmonic_mean_ms_per_step"], abs=1e-3)
     # Another mix of the same members is compared with the members' runs.
     other = mixed_kernel_parts.compare(members, json.loads(WITHOUT_FULL.read_text()), str(WITHOUT_FULL))
     assert "full" not in other["rows"] and other["ratio"] > result["ratio"]

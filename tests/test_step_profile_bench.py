@@ -64,6 +64,14 @@ def test_comparison_of_a_mixed_run_with_its_members():
     assert whole["ramp"] == {"mixed_tokens_per_s": 45.0, "members_harmonic_mean_tokens_per_s": 90.0, "ratio": 0.5}
     assert whole["after_ramp"] == {"mixed_tokens_per_s": 144.0, "members_harmonic_mean_tokens_per_s": 180.0,
                                    "ratio": 0.8}
+    # The profiled steps' GPU busy time a step, where every run has them.
+    assert "gpu_busy" not in out
+    for name, busy_ms, share in (("streaming", 80.0, 0.95), ("rkv", 40.0, 0.7), ("mixed:streaming+rkv", 72.0, 0.9)):
+        runs[name]["profile"] = {"gpu_busy_ms": busy_ms, "steps": 8, "gpu_busy_share": share}
+    busy = step_profile.comparison(runs, ["streaming", "rkv"], 4)["gpu_busy"]
+    # 10 and 5 ms a step, two rows each: a mix as fast as its members takes 7.5; it takes 9.
+    assert busy["members_harmonic_mean_ms_per_step"] == 7.5 and busy["mixed_ms_per_step"] == 9.0
+    assert busy["ratio"] == 0.833 and busy["busy_share"]["rkv"] == 0.7
     # A member without a solo run: named, no mean.
     out = step_profile.comparison({"mixed:a+b": {"tokens_per_s_unprofiled": 5.0}, "a": {"tokens_per_s_unprofiled": 5.0}},
                                   ["a", "b"], 2)
