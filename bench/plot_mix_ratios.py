@@ -44,8 +44,8 @@ def main() -> None:
     x = range(len(labels))
     ax.plot(x, window, "o-", label="tokens/s, steady window (members' harmonic mean)")
     ax.plot(x, busy, "s-", label="GPU busy ms a step (members' weighted mean)")
-    for xs, ys in ((x, window), (x, busy)):
-        for i, y in zip(xs, ys):
+    for ys in (window, busy):
+        for i, y in enumerate(ys):
             ax.annotate(f"{y:.3f}", (i, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.axhline(TARGET, color="gray", linestyle="--", linewidth=1, label=f"target {TARGET}x")
     ax.set_xticks(list(x), labels, fontsize=8)

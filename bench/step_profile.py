@@ -158,6 +158,12 @@ def harmonic_mean(values: list[float], weights: list[float] | None = None) -> fl
     return sum(weights) / sum(w / v for w, v in zip(weights, values))
 
 
+def members_mean(rates: dict, names: list[str], rows: list[str]) -> float:
+    """The members' tokens/s a mix as fast as them would reach: their
+    harmonic mean weighted by their rows in the mixed batch."""
+    return harmonic_mean([rates[n] for n in names], [rows.count(n) for n in names])
+
+
 def comparison(runs: dict, names: list[str], requests: int) -> dict:
     """The mixed run of `names` against its members' solo runs (unprofiled
     tokens/s); the members' harmonic mean is weighted by their rows in the
@@ -184,7 +190,7 @@ def comparison(runs: dict, names: list[str], requests: int) -> dict:
     if missing:
         out["missing_members"] = missing
         return out
-    mean = harmonic_mean([solo[n] for n in names], [rows.count(n) for n in names])
+    mean = members_mean(solo, names, rows)
     out["members_harmonic_mean_tokens_per_s"] = round(mean, 1)
     if mixed:
         out["ratio"] = round(mixed / mean, 3)
@@ -216,8 +222,9 @@ def gpu_busy_comparison(runs: dict, names: list[str], rows: list[str]) -> dict:
     if not all(p.get("gpu_busy_ms") and p.get("steps") for p in profiles.values()):
         return {}
     ms = {n: p["gpu_busy_ms"] / p["steps"] for n, p in profiles.items()}
-    # Each run's rows are the batch's (--requests), so tokens a busy ms go as 1 / ms.
-    mean_ms = 1 / harmonic_mean([1 / ms[n] for n in names], [rows.count(n) for n in names])
+    # Every run has the batch's rows (--requests): the harmonic mean of the
+    # members' rates is the rows-weighted mean of their times.
+    mean_ms = sum(ms[n] * rows.count(n) for n in names) / sum(rows.count(n) for n in names)
     return {"mixed_ms_per_step": round(ms[label], 3), "members_ms_per_step": {n: round(ms[n], 3) for n in names},
             "members_harmonic_mean_ms_per_step": round(mean_ms, 3), "ratio": round(mean_ms / ms[label], 3),
             "busy_share": {n: p.get("gpu_busy_share") for n, p in profiles.items()}}
@@ -232,7 +239,7 @@ def whole_run_comparison(runs: dict, names: list[str], rows: list[str]) -> dict:
     values = {n: runs.get(n, {}).get("tokens_per_s_whole_run") for n in [label, *names]}
     if not all(values.values()):
         return {}
-    mean = harmonic_mean([values[n] for n in names], [rows.count(n) for n in names])
+    mean = members_mean(values, names, rows)
     out = {"mixed_tokens_per_s": values[label], "members_tokens_per_s": {n: values[n] for n in names},
            "members_harmonic_mean_tokens_per_s": round(mean, 1), "ratio": round(values[label] / mean, 3)}
     profiled = [n for n in [label, *names] if runs[n].get("whole_run_profiled_steps")]
@@ -244,7 +251,7 @@ def whole_run_comparison(runs: dict, names: list[str], rows: list[str]) -> dict:
     for phase in ("ramp", "after_ramp"):
         rates = {n: runs[n].get(f"tokens_per_s_{phase}") for n in [label, *names]}
         if all(rates.values()):
-            phase_mean = harmonic_mean([rates[n] for n in names], [rows.count(n) for n in names])
+            phase_mean = members_mean(rates, names, rows)
             out[phase] = {"mixed_tokens_per_s": rates[label], "members_harmonic_mean_tokens_per_s": round(phase_mean, 1),
                           "ratio": round(rates[label] / phase_mean, 3)}
     return out
