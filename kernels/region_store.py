@@ -9,8 +9,9 @@ writes: about fifteen small kernels a layer, 420 a step of a 28-layer model,
 2.3 ms of a 16 ms mixed step at 128 rows on an H200 (launch-bound: each is a
 few microseconds even replayed from a graph; the bytes are ~4 MB).
 
-Here one program per row walks its kv heads: a scan of the row's slots for
-the lowest free one (a slot of a full-precision page whose valid bit is
+Here one program per row walks its kv heads: a scan of the row's slots (up
+to its own columns, not the step's width, which a mixed batch's widest row
+sets) for the lowest free one (a slot of a full-precision page whose valid bit is
 clear; the page table's null page and quantized pages, ids >= null_page,
 never offer one), then the writes. What the PyTorch form does, this does,
 edge cases included (the reference is `store_new_tokens_reference`,
@@ -48,17 +49,23 @@ def enabled() -> bool:
 
 @triton.jit(do_not_specialize=["M", "st_r", "st_h", "sk_b", "sk_h", "sv_b", "sv_h"],  # the shapes' integers
             # per-row views into the step's shipped bytes (decode_attention._partial_kernel)
-            do_not_specialize_on_alignment=["BatchIndex", "Positions", "PoolRows"])
-def _store_kernel(Table, BatchIndex, Positions, PoolRows, K, V, RegK, RegV, Valid, VNorm, Position, Score, LastHit,
-                  Overflow, M, null_page, st_r, st_h, sk_b, sk_h, sv_b, sv_h,
+            do_not_specialize_on_alignment=["BatchIndex", "Positions", "PoolRows", "RowColumns"])
+def _store_kernel(Table, BatchIndex, Positions, PoolRows, RowColumns, K, V, RegK, RegV, Valid, VNorm, Position, Score,
+                  LastHit, Overflow, M, null_page, st_r, st_h, sk_b, sk_h, sv_b, sv_h,
                   H: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+                  BLOCK_S: tl.constexpr, OWN_COLUMNS: tl.constexpr):
     r = tl.program_id(0)
     b = tl.load(BatchIndex + r).to(tl.int64)
     position = tl.load(Positions + r)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    slots = M * PAGE
+    columns = M
+    if OWN_COLUMNS:
+        # A row scans its own columns only: past them its table holds null
+        # pages (no free slot), and in a mixed batch the widest row's width
+        # would make every row scan that far.
+        columns = tl.minimum(M, tl.load(RowColumns + r))
+    slots = columns * PAGE
     no_room = 0
     for h in tl.static_range(H):
         row_table = Table + r.to(tl.int64) * st_r + h * st_h
@@ -93,14 +100,17 @@ def _bytes(flags: torch.Tensor) -> torch.Tensor:
 
 
 def store_new_tokens(table, batch_index, positions, pool_rows, k, v, region_k, region_v, valid, vnorm, position,
-                     score, last_hit, overflow_flags, null_page: int, zero=None, zero_int=None) -> None:
+                     score, last_hit, overflow_flags, null_page: int, zero=None, zero_int=None,
+                     row_columns=None) -> None:
     """Write each row's new token (k, v [B, H, D] of the step's batch, row r
     at batch_index[r]) into the first free slot of its layer's pages
     `table` [R, H, M], in place, as the PyTorch form of backend.decode_attend.
     region_k/v [pages, PAGE, D]; valid, vnorm, position, score, last_hit
     [ids, PAGE]; overflow_flags [max_rows] bool, set for rows with a head
     that found no free slot. zero, zero_int: accepted for the reference's
-    signature; the kernel writes its own zeros."""
+    signature; the kernel writes its own zeros. row_columns [R] int or None:
+    the page-table columns each row holds; a row's slots past them are not
+    offered (None: every row's M columns)."""
     R, H, M = table.shape
     if R == 0:
         return
@@ -108,22 +118,26 @@ def store_new_tokens(table, batch_index, positions, pool_rows, k, v, region_k, r
     assert k.stride(2) == 1 and v.stride(2) == 1 and table.stride(2) == 1, "the last dims must be contiguous"
     for t in (region_k, region_v, valid, vnorm, position, score, last_hit):
         assert t.is_contiguous(), "the region's per-slot arrays are contiguous"
+    own_columns = row_columns is not None
     _store_kernel[(R,)](
-        table, batch_index, positions, pool_rows, k, v, region_k, region_v, _bytes(valid), vnorm, position, score,
-        last_hit, _bytes(overflow_flags), M, null_page, table.stride(0), table.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=H, PAGE=page, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=BLOCK_SLOTS)
+        table, batch_index, positions, pool_rows, row_columns if own_columns else pool_rows, k, v, region_k, region_v,
+        _bytes(valid), vnorm, position, score, last_hit, _bytes(overflow_flags), M, null_page,
+        table.stride(0), table.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=H, PAGE=page, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=BLOCK_SLOTS, OWN_COLUMNS=own_columns)
 
 
 def store_new_tokens_reference(table, batch_index, positions, pool_rows, k, v, region_k, region_v, valid, vnorm,
                                position, score, last_hit, overflow_flags, null_page: int, zero=0.0,
-                               zero_int=0) -> None:
+                               zero_int=0, row_columns=None) -> None:
     """The same writes in PyTorch (the CPU path and the kernel's reference).
     zero, zero_int: the values score and last_hit restart from (the region's
     0-d device constants, so no scalar is made for each write)."""
     R, H, M = table.shape
     P = region_k.shape[1]
-    real = (table < null_page).unsqueeze(-1)  # full-precision pages (TBQ: the first column only)
+    real = table < null_page  # full-precision pages (TBQ: the first column only)
+    if row_columns is not None:
+        real = real & (torch.arange(M, device=table.device) < row_columns.unsqueeze(-1)).unsqueeze(1)
+    real = real.unsqueeze(-1)
     free = (~valid[table] & real).reshape(R, H, M * P)
     slot = free.int().argmax(dim=-1)  # [R, H]; 0 where none is free
     overflow_flags[pool_rows] |= ~free.any(dim=-1).all(dim=-1)  # some head found no free slot

@@ -405,7 +405,7 @@ class KvsieveAttnBackend(AttentionBackend):
             store = region_store.store_new_tokens if self.fused_store else region_store.store_new_tokens_reference
             store(table, idx, rows.positions, rows.pool_rows, k3, v3, p.k, p.v, p.valid, p.vnorm, p.position,
                   p.score, p.last_hit, RUNTIME.overflow_flags, p.null_page, zero=p.const_zero,
-                  zero_int=p.const_zero_int)
+                  zero_int=p.const_zero_int, row_columns=rows.columns)
             if needs & Need.QUERIES:
                 self._keep_queries(q3[idx], rows, layer.layer_id)
         # 2. Attention over prefix + region, with the observations asked for.

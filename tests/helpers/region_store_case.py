@@ -5,11 +5,15 @@ tests_gpu/test_region_store_cuda.py on a GPU)."""
 import torch
 
 
-def region_case(R, H, M, P, D, seed, padded=0, quantized_columns=0, region_dtype=torch.float16, device="cpu"):
+def region_case(R, H, M, P, D, seed, padded=0, quantized_columns=0, region_dtype=torch.float16, device="cpu",
+                own_columns=False):
     """A layer's region with R real rows (+ `padded` rows of only the null
     page), each (row, head) owning M distinct pages, most slots taken. Row
     0's heads are all full (overflow), row 1's head 0 only is full; with
-    quantized_columns, every real row's last columns are quantized ids."""
+    quantized_columns, every real row's last columns are quantized ids.
+    With own_columns, `row_columns` says each row holds fewer columns (rows
+    past 2: 1 to M-1, so real pages with free slots lie past them; the
+    padded rows 0), as a mixed batch's narrower rows do."""
     g = torch.Generator().manual_seed(seed)
     pages = R * H * M
     null_page = pages
@@ -39,6 +43,10 @@ def region_case(R, H, M, P, D, seed, padded=0, quantized_columns=0, region_dtype
         position=torch.randint(0, 10_000, (ids, P), generator=g),
         score=torch.rand(ids, P, generator=g), last_hit=torch.randint(0, 50, (ids, P), generator=g, dtype=torch.int32),
         overflow_flags=torch.zeros(2 * R + 1, dtype=torch.bool), null_page=null_page)
+    if own_columns:
+        narrower = torch.randint(1, M, (R,), generator=g)
+        narrower[:3] = M  # rows 0-2 keep the overflow cases above
+        case["row_columns"] = torch.cat([narrower, torch.zeros(padded, dtype=torch.int64)]).to(torch.int32)
     case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     qkv = qkv.to(device)
     case["k"], case["v"] = qkv[:, H:2 * H], qkv[:, 2 * H:]  # strided on the device too

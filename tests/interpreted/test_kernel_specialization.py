@@ -183,6 +183,7 @@ def test_the_store_compiles_once_whatever_the_rows(launches):
         for M in WIDTHS:
             pages = R * HKV * M
             batch_index, positions, pool_rows = shipped(torch.arange(R), torch.arange(R) + 100, torch.arange(R) + 1)
+            row_columns = shipped(torch.full((R,), M, dtype=torch.int32))[0]
             qkv = torch.zeros(R, 3 * HKV, D, dtype=torch.float16)
             region_store.store_new_tokens(
                 torch.zeros(R, HKV, M, dtype=torch.int64), batch_index, positions, pool_rows,
@@ -190,5 +191,5 @@ def test_the_store_compiles_once_whatever_the_rows(launches):
                 torch.zeros(pages + 1, PAGE, D, dtype=torch.float16), torch.zeros(pages + 1, PAGE, dtype=torch.bool),
                 torch.zeros(pages + 1, PAGE), torch.zeros(pages + 1, PAGE, dtype=torch.int64),
                 torch.zeros(pages + 1, PAGE), torch.zeros(pages + 1, PAGE, dtype=torch.int32),
-                torch.zeros(2 * R + 2, dtype=torch.bool), pages)
+                torch.zeros(2 * R + 2, dtype=torch.bool), pages, row_columns=row_columns)
     assert_one_key_per_variant(launches, ["_store_kernel"])

@@ -23,14 +23,27 @@ def store():
     return region_store
 
 
-@pytest.mark.parametrize("R, H, M, P, D, padded, quantized, seed", [
-    (6, 4, 5, 16, 128, 0, 0, 0),
-    (5, 2, 23, 16, 64, 3, 0, 1),   # wider than one block of slots; padded rows
-    (4, 4, 6, 8, 96, 2, 4, 2),     # TBQ: only the first columns are full precision; D not a power of two
+@pytest.mark.parametrize("R, H, M, P, D, padded, quantized, seed, own_columns", [
+    (6, 4, 5, 16, 128, 0, 0, 0, False),
+    (5, 2, 23, 16, 64, 3, 0, 1, False),   # wider than one block of slots; padded rows
+    (4, 4, 6, 8, 96, 2, 4, 2, False),     # TBQ: only the first columns are full precision; D not a power of two
+    (9, 2, 23, 16, 64, 2, 0, 4, True),    # rows narrower than the table (a mixed batch's)
 ])
-def test_the_kernel_writes_what_the_pytorch_store_writes(store, R, H, M, P, D, padded, quantized, seed):
-    case = region_case(R, H, M, P, D, seed, padded=padded, quantized_columns=quantized)
+def test_the_kernel_writes_what_the_pytorch_store_writes(store, R, H, M, P, D, padded, quantized, seed, own_columns):
+    case = region_case(R, H, M, P, D, seed, padded=padded, quantized_columns=quantized, own_columns=own_columns)
     assert_kernel_writes_what_the_reference_writes(store, case)
+
+
+def test_a_row_takes_no_slot_past_its_own_columns(store):
+    case = region_case(3, 2, 4, 16, 32, seed=5)
+    table, valid = case["table"], case["valid"]
+    # Row 2 holds two columns, both full; its table's columns 2-3 hold pages with free slots.
+    valid[table[2, :, :2]] = True
+    valid[table[2, :, 2:]] = False
+    case["row_columns"] = torch.tensor([4, 4, 2], dtype=torch.int32)
+    got = run_store(store.store_new_tokens, case)
+    assert not got["valid"][table[2, :, 2:]].any()
+    assert got["overflow_flags"][case["pool_rows"][2]]
 
 
 def test_a_row_takes_the_lowest_free_slot_of_each_head(store):
