@@ -1,7 +1,7 @@
 """Time the store of a decode step's new tokens, a whole step of layers,
 PyTorch writes against the fused kernel (kernels/region_store.py):
 
-    python bench/region_store.py OUT.json [--rows 48,128,640] [--device cuda]
+    python bench/region_store.py OUT.json [--rows 48,128,640] [--device cuda] [--wide-columns 36]
 
 Each form stores one step's tokens into every layer of a R1-Distill-Qwen-7B
 shaped region (28 layers, 4 kv heads, head_dim 128, bf16, pages of 16, 20
@@ -10,11 +10,17 @@ form and replayed, as the engine's whole-stack graphs run it (the PyTorch
 form is launch-bound: a graph saves the host's launches, not the GPU's
 per-kernel cost). On CPU only the PyTorch form runs (eagerly). Writes the
 median ms a step per (form, rows), with machine, date and command.
+
+--wide-columns N: a mixed batch's widths too: one row in WIDE_EVERY holds N
+columns (crystal_kv's 36 at budget 256), the others 20, and the table is
+as wide as the widest row (null pages past a row's own columns), each row's
+columns passed to the store where it takes them (`row_columns`).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import statistics
@@ -27,13 +33,18 @@ import torch
 from kvsieve.kernels import region_store
 
 LAYERS, HEADS, DIM, PAGE, COLUMNS = 28, 4, 128, 16, 20
+#: With --wide-columns, every this many rows one is wide (the eight-policy
+#: mix's one class in eight).
+WIDE_EVERY = 8
 
 
-def step_case(rows: int, device: str, seed: int = 0) -> list[dict]:
+def step_case(rows: int, device: str, seed: int = 0, wide_columns: int = 0) -> list[dict]:
     """One store call's arguments per layer: distinct pages per (row, head),
-    80% of slots taken, the batch's K/V strided as SGLang's qkv gives them."""
+    80% of slots taken, the batch's K/V strided as SGLang's qkv gives them.
+    wide_columns: every WIDE_EVERY-th row that wide, the table too."""
     g = torch.Generator().manual_seed(seed)
-    pages = LAYERS * rows * HEADS * COLUMNS
+    width = max(COLUMNS, wide_columns)
+    pages = LAYERS * rows * HEADS * width
     null_page = pages
     valid = (torch.rand(pages + 1, PAGE, generator=g) < 0.8).to(device)
     valid[null_page] = False
@@ -46,9 +57,16 @@ def step_case(rows: int, device: str, seed: int = 0) -> list[dict]:
         last_hit=torch.zeros(pages + 1, PAGE, dtype=torch.int32, device=device),
         overflow_flags=torch.zeros(rows + 1, dtype=torch.bool, device=device), null_page=null_page,
         zero=torch.zeros((), device=device), zero_int=torch.zeros((), dtype=torch.int32, device=device))
-    tables = torch.randperm(pages, generator=g).view(rows, LAYERS, HEADS, COLUMNS).to(device)
+    tables = torch.randperm(pages, generator=g).view(rows, LAYERS, HEADS, width)
+    columns = torch.full((rows,), COLUMNS, dtype=torch.int32)
+    if wide_columns:
+        columns[::WIDE_EVERY] = width
+        tables[columns < width, :, :, COLUMNS:] = null_page
+    tables = tables.to(device)
     step = dict(batch_index=torch.randperm(rows, device=device), positions=torch.arange(rows, device=device) + 1000,
                 pool_rows=torch.arange(rows, device=device) + 1)
+    if wide_columns:
+        step["row_columns"] = columns.to(device)
     calls = []
     for layer in range(LAYERS):
         qkv = torch.randn(rows, 3 * HEADS, DIM, dtype=torch.bfloat16, device=device)
@@ -57,7 +75,11 @@ def step_case(rows: int, device: str, seed: int = 0) -> list[dict]:
 
 
 def time_form(store, calls, device: str, repeats: int = 50) -> float:
-    """Median ms of one step (every layer's store)."""
+    """Median ms of one step (every layer's store). A store that does not
+    take `row_columns` (an older build) scans every row's table to its end."""
+    if "row_columns" not in inspect.signature(store).parameters:
+        calls = [{k: v for k, v in call.items() if k != "row_columns"} for call in calls]
+
     def step():
         for call in calls:
             store(**call)
@@ -90,16 +112,19 @@ def main(argv=None) -> dict:
     parser.add_argument("out")
     parser.add_argument("--rows", default="48,128,640")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--wide-columns", type=int, default=0,
+                        help="one row in 8 this many columns wide (a mixed batch); 0: every row 20")
     args = parser.parse_args(argv)
     forms = {"pytorch": region_store.store_new_tokens_reference}
     if args.device == "cuda":
         forms["fused"] = region_store.store_new_tokens
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        calls = step_case(rows, args.device)
+        calls = step_case(rows, args.device, wide_columns=args.wide_columns)
         for name, store in forms.items():
             ms = time_form(store, calls, args.device)
-            results.append({"form": name, "rows": rows, "layers": LAYERS, "step_ms": round(ms, 4)})
+            results.append({"form": name, "rows": rows, "layers": LAYERS, "wide_columns": args.wide_columns,
+                            "step_ms": round(ms, 4)})
             print(f"{name:8s} rows {rows:4d}: {ms:.3f} ms a step ({LAYERS} layers)", flush=True)
     report = {
         "kind": "region_store", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -9,8 +9,8 @@ writes: about fifteen small kernels a layer, 420 a step of a 28-layer model,
 2.3 ms of a 16 ms mixed step at 128 rows on an H200 (launch-bound: each is a
 few microseconds even replayed from a graph; the bytes are ~4 MB).
 
-Here one program per row walks its kv heads: a scan of the row's slots (up
-to its own columns, not the step's width, which a mixed batch's widest row
+Here one program per (row, kv head): a scan of the head's slots (up to the
+row's own columns, not the step's width, which a mixed batch's widest row
 sets) for the lowest free one (a slot of a full-precision page whose valid bit is
 clear; the page table's null page and quantized pages, ids >= null_page,
 never offer one), then the writes. What the PyTorch form does, this does,
@@ -39,8 +39,9 @@ interpreter_compat.apply()
 #: KVSIEVE_FUSED_STORE=0 keeps the PyTorch store on the GPU too (A/B timings,
 #: a fallback). Read at each call.
 ENV = "KVSIEVE_FUSED_STORE"
-#: Slots scanned at once for the first free one.
-BLOCK_SLOTS = 256
+#: Slots scanned at once for the first free one: a 7B model's row at budget
+#: 1024 (~70 columns of 16) in two passes, at 256 in one.
+BLOCK_SLOTS = 1024
 
 
 def enabled() -> bool:
@@ -52,13 +53,20 @@ def enabled() -> bool:
             do_not_specialize_on_alignment=["BatchIndex", "Positions", "PoolRows", "RowColumns"])
 def _store_kernel(Table, BatchIndex, Positions, PoolRows, RowColumns, K, V, RegK, RegV, Valid, VNorm, Position, Score,
                   LastHit, Overflow, M, null_page, st_r, st_h, sk_b, sk_h, sv_b, sv_h,
-                  H: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_S: tl.constexpr, OWN_COLUMNS: tl.constexpr):
+    # One program per (row, kv head): the kernel lasts as long as its slowest
+    # program, and a row's heads scanned in series made a mixed batch's widest
+    # rows (crystal_kv's) set every step's store time.
     r = tl.program_id(0)
+    h = tl.program_id(1)
     b = tl.load(BatchIndex + r).to(tl.int64)
     position = tl.load(Positions + r)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    # The new token's K and V do not depend on the scan: their loads overlap it.
+    k = tl.load(K + b * sk_b + h * sk_h + d, mask=d_ok, other=0.0)
+    v = tl.load(V + b * sv_b + h * sv_h + d, mask=d_ok, other=0.0)
     columns = M
     if OWN_COLUMNS:
         # A row scans its own columns only: past them its table holds null
@@ -66,33 +74,29 @@ def _store_kernel(Table, BatchIndex, Positions, PoolRows, RowColumns, K, V, RegK
         # would make every row scan that far.
         columns = tl.minimum(M, tl.load(RowColumns + r))
     slots = columns * PAGE
-    no_room = 0
-    for h in tl.static_range(H):
-        row_table = Table + r.to(tl.int64) * st_r + h * st_h
-        first = slots  # the lowest free slot so far; `slots`: none
-        for start in range(0, slots, BLOCK_S):
-            s = start + tl.arange(0, BLOCK_S)
-            in_row = s < slots
-            block_pages = tl.load(row_table + s // PAGE, mask=in_row, other=null_page).to(tl.int64)
-            real = in_row & (block_pages < null_page)
-            taken = tl.load(Valid + block_pages * PAGE + s % PAGE, mask=real, other=1)
-            free = real & (taken == 0)
-            first = tl.minimum(first, tl.min(tl.where(free, s, slots), axis=0))
-        found = first < slots
-        no_room = no_room | (1 - found.to(tl.int32))
-        slot = tl.where(found, first, 0)
-        page = tl.load(row_table + slot // PAGE).to(tl.int64)
-        at = page * PAGE + slot % PAGE
-        k = tl.load(K + b * sk_b + h * sk_h + d, mask=d_ok, other=0.0)
-        v = tl.load(V + b * sv_b + h * sv_h + d, mask=d_ok, other=0.0)
-        tl.store(RegK + at * D + d, k.to(RegK.dtype.element_ty), mask=d_ok)
-        tl.store(RegV + at * D + d, v.to(RegV.dtype.element_ty), mask=d_ok)
-        tl.store(VNorm + at, tl.sum(tl.abs(v.to(tl.float32)), axis=0))
-        tl.store(Valid + at, (page != null_page).to(tl.uint8))
-        tl.store(Position + at, position)
-        tl.store(Score + at, 0.0)
-        tl.store(LastHit + at, 0)
-    tl.store(Overflow + tl.load(PoolRows + r), 1, mask=no_room != 0)
+    row_table = Table + r.to(tl.int64) * st_r + h * st_h
+    first = slots  # the lowest free slot so far; `slots`: none
+    for start in range(0, slots, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        in_row = s < slots
+        block_pages = tl.load(row_table + s // PAGE, mask=in_row, other=null_page).to(tl.int64)
+        real = in_row & (block_pages < null_page)
+        taken = tl.load(Valid + block_pages * PAGE + s % PAGE, mask=real, other=1)
+        free = real & (taken == 0)
+        first = tl.minimum(first, tl.min(tl.where(free, s, slots), axis=0))
+    found = first < slots
+    slot = tl.where(found, first, 0)
+    page = tl.load(row_table + slot // PAGE).to(tl.int64)
+    at = page * PAGE + slot % PAGE
+    tl.store(RegK + at * D + d, k.to(RegK.dtype.element_ty), mask=d_ok)
+    tl.store(RegV + at * D + d, v.to(RegV.dtype.element_ty), mask=d_ok)
+    tl.store(VNorm + at, tl.sum(tl.abs(v.to(tl.float32)), axis=0))
+    tl.store(Valid + at, (page != null_page).to(tl.uint8))
+    tl.store(Position + at, position)
+    tl.store(Score + at, 0.0)
+    tl.store(LastHit + at, 0)
+    # A head without room flags its row (each such head stores the same 1).
+    tl.store(Overflow + tl.load(PoolRows + r), 1, mask=~found)
 
 
 def _bytes(flags: torch.Tensor) -> torch.Tensor:
@@ -119,11 +123,11 @@ def store_new_tokens(table, batch_index, positions, pool_rows, k, v, region_k, r
     for t in (region_k, region_v, valid, vnorm, position, score, last_hit):
         assert t.is_contiguous(), "the region's per-slot arrays are contiguous"
     own_columns = row_columns is not None
-    _store_kernel[(R,)](
+    _store_kernel[(R, H)](
         table, batch_index, positions, pool_rows, row_columns if own_columns else pool_rows, k, v, region_k, region_v,
         _bytes(valid), vnorm, position, score, last_hit, _bytes(overflow_flags), M, null_page,
         table.stride(0), table.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=H, PAGE=page, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=BLOCK_SLOTS, OWN_COLUMNS=own_columns)
+        PAGE=page, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=BLOCK_SLOTS, OWN_COLUMNS=own_columns)
 
 
 def store_new_tokens_reference(table, batch_index, positions, pool_rows, k, v, region_k, region_v, valid, vnorm,

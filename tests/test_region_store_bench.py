@@ -22,3 +22,13 @@ def test_the_bench_times_a_step_of_stores_and_writes_its_report(tmp_path):
     # The stores took free slots of the case's own region.
     bench.time_form(bench.region_store.store_new_tokens_reference, calls, "cpu", repeats=3)
     assert calls[0]["valid"].sum() > before
+
+
+def test_a_mixed_batchs_narrow_rows_hold_null_pages_past_their_columns():
+    calls = bench.step_case(9, "cpu", wide_columns=36)
+    table, columns, null = calls[0]["table"], calls[0]["row_columns"], calls[0]["null_page"]
+    assert table.shape == (9, bench.HEADS, 36) and columns.tolist() == [36] + [20] * 7 + [36]
+    assert (table[1:8, :, 20:] == null).all() and (table[[0, 8]] < null).all()
+    before = calls[0]["valid"].sum()
+    bench.time_form(bench.region_store.store_new_tokens_reference, calls, "cpu", repeats=3)
+    assert calls[0]["valid"].sum() > before
