@@ -4,7 +4,7 @@
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
         [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
         [--solo h2o,rkv] [--ranges 0|1] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS]
-        [--activities CPU,GPU|GPU] [--out step-profile.json]
+        [--activities CPU,GPU|GPU] [--warmup 1|0] [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
@@ -44,6 +44,16 @@ policy of the run with its decide and observe GPU ms per step and its host
 step_inputs ms (0.0 where the trace has no such range: `full` runs
 SGLang's path, snapkv decides at prefill only); `policies_without_ranges`
 names those.
+
+`--warmup 1` (default): before the recorded runs, one unrecorded batch of
+the same --requests with every listed policy dealt round robin, run to its
+end (recorded only as `warmup`: its members, ramp and whole-run seconds).
+A fresh engine's one-off work (its first prefills, the first capture of
+each policy's graph shapes) then lands in no recorded run: without it
+whichever run came first paid it in its ramp (the eight-policy mix run
+first: ramp 0.78x its members, run last 0.91x;
+bench/results/logs/h200-2026-12-02f/README.md). What a served engine
+does once in its life is not a batch's cost.
 
 A policy's budget is --budget unless it refuses it: then the smallest
 larger one it accepts (bench/gpu_smoke.py's policy_specs; crystalcache needs
@@ -141,7 +151,13 @@ def options(argv: list[str] | None = None) -> dict:
             "window_steps": int(opts.get("--window-steps", 64)), "gen_extra": int(opts.get("--gen-extra", 192)),
             "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
             "ranges": opts.get("--ranges", "1") == "1",
-            "activities": opts.get("--activities", "CPU,GPU").split(",")}
+            "activities": opts.get("--activities", "CPU,GPU").split(","),
+            "warmup": opts.get("--warmup", "1") == "1"}
+
+
+#: The warm-up batch's prompt seed: none of the recorded runs' (7 and up),
+#: so no recorded run starts on its radix cache hits.
+WARMUP_SEED = 1
 
 
 def mixed_label(names: list[str]) -> str:
@@ -681,6 +697,12 @@ def main() -> None:
         # --mixed-first 1: the mixed batch before the solo runs (a call cut short keeps it).
         batches.insert(0 if cfg["mixed_first"] else len(batches), (names, len(names) + 7))
     try:
+        if cfg["warmup"]:
+            warm = engine.loop.run_until_complete(profile_batch(
+                engine, dict(cfg, steps=0, pyspy_s=0), names, specs, WARMUP_SEED, trace_dir))
+            result["warmup"] = {"members": names, "ramp_s": warm["ramp_s"], "whole_run_s": warm["whole_run_s"],
+                                "wall_clock": warm["wall_clock"]}
+            print(f"warm-up: {len(names)} policies, {warm['whole_run_s']} s", flush=True)
         for members, seed in batches:
             run = engine.loop.run_until_complete(profile_batch(engine, cfg, members, specs, seed, trace_dir))
             label = run.get("label", members[0])

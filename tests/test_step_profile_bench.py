@@ -83,6 +83,7 @@ def test_options_mixed_only_implies_mixed_and_cpu_defaults():
     assert cfg["mixed"] and cfg["mixed_only"] and cfg["steps"] == 0 and cfg["requests"] == 4
     cfg = step_profile.options(["x", "MODEL", "OUT"])
     assert not cfg["mixed"] and (cfg["budget"], cfg["requests"], cfg["steps"]) == (1024, 512, 16)
+    assert cfg["warmup"] and not step_profile.options(["x", "MODEL", "OUT", "--warmup", "0"])["warmup"]
 
 
 def test_graph_counters_from_another_process(tmp_path):
@@ -153,6 +154,11 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     assert comp["whole_run"]["ramp"]["ratio"] > 0 and comp["whole_run"]["after_ramp"]["ratio"] > 0
     assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
         [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
+    # The warm-up batch (the default) ran first, every policy in it, and is no recorded run.
+    warm = result["warmup"]
+    assert warm["members"] == ["streaming", "crystalcache"] and 0 < warm["ramp_s"] <= warm["whole_run_s"]
+    assert warm["wall_clock"]["end"] <= walls[0]["start"]
+    assert "warm-up: 2 policies" in proc.stdout
 
 
 def test_gaps_are_told_apart_by_when_their_next_operation_was_launched(tmp_path):
