@@ -124,9 +124,11 @@ def compile_store(target) -> list[str]:
 
     lines = []
     for dt in ("*bf16", "*fp16"):
-        ptrs = dict(Table="*i64", BatchIndex="*i64", Positions="*i64", PoolRows="*i64", K=dt, V=dt, RegK=dt, RegV=dt,
-                    Valid="*u8", VNorm="*fp32", Position="*i64", Score="*fp32", LastHit="*i32", Overflow="*u8")
-        ce = dict(H=4, PAGE=16, D=128, BLOCK_D=128, BLOCK_S=rs.BLOCK_SLOTS)
+        ptrs = dict(Table="*i64", BatchIndex="*i64", Positions="*i64", PoolRows="*i64", RowColumns="*i32", K=dt, V=dt,
+                    RegK=dt, RegV=dt, Valid="*u8", VNorm="*fp32", Position="*i64", Score="*fp32", LastHit="*i32",
+                    Overflow="*u8")
+        # As served: each row to its own columns (radix_ext/backend.py passes them).
+        ce = dict(PAGE=16, D=128, BLOCK_D=128, BLOCK_S=rs.BLOCK_SLOTS, OWN_COLUMNS=True)
         k = triton.compile(source(rs._store_kernel, ptrs, ce), target=target, options=dict(num_warps=4))
         lines.append(f"store {dt[1:]}: {usage(k)} shared {k.metadata.shared}")
     return lines
