@@ -4,7 +4,7 @@
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
         [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
         [--solo h2o,rkv] [--ranges 0|1] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS]
-        [--activities CPU,GPU|GPU] [--warmup 1|0] [--out step-profile.json]
+        [--activities CPU,GPU|GPU] [--warmup 1|0] [--resume 0|1] [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
@@ -69,7 +69,13 @@ generates the largest budget + --gen-extra), recorded under `runs` as
 (default: each). `--mixed-only 1`: the mixed run only; the members' solo runs
 are then taken from OUT_DIR's existing JSON when its budget, requests,
 kv_tokens and device match (a second call after a solo one), and are
-otherwise missing from the comparison. The JSON's `comparison` block: the
+otherwise missing from the comparison. `--resume 1`: the same for any
+list of runs across calls: OUT_DIR's existing JSON, when it was made with
+the same budget, requests, kv_tokens, device, policy params, gen-extra and
+window, keeps its runs, and a run it already holds is not run again (a
+scale whose nine runs outlast one 10-minute device call runs over two or
+three, the earlier JSON copied into OUT_DIR first; `resumed_from` lists
+the earlier calls' commands and dates). The JSON's `comparison` block: the
 mixed run's unprofiled tokens/s, each member's solo tokens/s, their
 harmonic mean weighted by the member's rows in the mixed batch (the mixed
 batch's speed if each row cost what it costs in its solo batch of the same
@@ -152,7 +158,7 @@ def options(argv: list[str] | None = None) -> dict:
             "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
             "ranges": opts.get("--ranges", "1") == "1",
             "activities": opts.get("--activities", "CPU,GPU").split(","),
-            "warmup": opts.get("--warmup", "1") == "1"}
+            "warmup": opts.get("--warmup", "1") == "1", "resume": opts.get("--resume", "0") == "1"}
 
 
 #: The warm-up batch's prompt seed: none of the recorded runs' (7 and up),
@@ -162,6 +168,11 @@ WARMUP_SEED = 1
 
 def mixed_label(names: list[str]) -> str:
     return "mixed:" + "+".join(names)
+
+
+def run_label(members: list[str]) -> str:
+    """A run's key under `runs`: the policy's name alone, else the mix's label."""
+    return members[0] if len(members) == 1 else mixed_label(members)
 
 
 def deal(names: list[str], n: int) -> list[str]:
@@ -528,7 +539,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     # 64 steps holds 8 of them, so the count moves smoothly through it.
     before = (time.perf_counter(), sum(counts))
     graphs_before = graph_counters()
-    label = names[0] if len(names) == 1 else mixed_label(names)
+    label = run_label(names)
     sampler = start_pyspy(cfg, trace_dir, label)
     # Rows that ran ahead may finish first (a retracted row restarts late):
     # the window then ends with the batch instead of waiting forever.
@@ -625,17 +636,23 @@ def report(name: str, result: dict) -> None:
         print("py", h["per_step_ms"], h["count"], h["name"])
 
 
-def earlier_runs(path: str, cfg: dict) -> tuple[dict, str | None]:
-    """The runs of OUT's existing JSON when it was made with the same budget,
-    requests, kv_tokens and device (for --mixed-only)."""
+#: What must match for an earlier JSON's runs to stand beside this call's
+#: (--mixed-only: the batch's scale; --resume: also how each run is made).
+SAME_SCALE = ("budget", "requests", "kv_tokens", "device")
+SAME_RUNS = SAME_SCALE + ("policy_params", "gen_extra", "window_steps")
+
+
+def earlier_runs(path: str, cfg: dict, keys: tuple[str, ...] = SAME_SCALE) -> tuple[dict, dict | None]:
+    """The runs of OUT's existing JSON and the JSON itself when it was made
+    with the same `keys` of the config; ({}, None) otherwise."""
     try:
         previous = json.load(open(path))
     except (OSError, ValueError):
         return {}, None
     old = previous.get("config", {})
-    if any(old.get(k, "cuda" if k == "device" else None) != cfg[k] for k in ("budget", "requests", "kv_tokens", "device")):
+    if any(old.get(k, "cuda" if k == "device" else None) != cfg[k] for k in keys):
         return {}, None
-    return previous.get("runs", {}), previous.get("command")
+    return previous.get("runs", {}), previous
 
 
 def main() -> None:
@@ -677,10 +694,15 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(0) if cfg["device"] == "cuda" else "cpu",
               "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
               "config": cfg, "policies": specs, "runs": {}}
-    if cfg["mixed_only"]:
+    if cfg["resume"]:
+        result["runs"], earlier = earlier_runs(out_path, cfg, SAME_RUNS)
+        if earlier:
+            result["resumed_from"] = earlier.get("resumed_from", []) + [
+                {"command": earlier.get("command"), "date": earlier.get("date"), "runs": sorted(earlier["runs"])}]
+    elif cfg["mixed_only"]:
         result["runs"], earlier = earlier_runs(out_path, cfg)
         if result["runs"]:
-            result["solo_runs_from"] = earlier
+            result["solo_runs_from"] = earlier.get("command")
 
     def save() -> None:
         result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -696,8 +718,10 @@ def main() -> None:
     if cfg["mixed"]:
         # --mixed-first 1: the mixed batch before the solo runs (a call cut short keeps it).
         batches.insert(0 if cfg["mixed_first"] else len(batches), (names, len(names) + 7))
+    # --resume: what an earlier call ran is not run again.
+    batches = [(members, seed) for members, seed in batches if run_label(members) not in result["runs"]]
     try:
-        if cfg["warmup"]:
+        if cfg["warmup"] and batches:
             warm = engine.loop.run_until_complete(profile_batch(
                 engine, dict(cfg, steps=0, pyspy_s=0), names, specs, WARMUP_SEED, trace_dir))
             result["warmup"] = {"members": names, "ramp_s": warm["ramp_s"], "whole_run_s": warm["whole_run_s"],
@@ -705,7 +729,7 @@ def main() -> None:
             print(f"warm-up: {len(names)} policies, {warm['whole_run_s']} s", flush=True)
         for members, seed in batches:
             run = engine.loop.run_until_complete(profile_batch(engine, cfg, members, specs, seed, trace_dir))
-            label = run.get("label", members[0])
+            label = run_label(members)
             result["runs"][label] = run
             save()
             report(label, run)

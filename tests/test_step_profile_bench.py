@@ -78,6 +78,19 @@ def test_comparison_of_a_mixed_run_with_its_members():
     assert out["missing_members"] == ["b"] and "ratio" not in out
 
 
+def test_resume_keeps_only_runs_made_the_same_way(tmp_path):
+    cfg = step_profile.options(["x", "MODEL", "OUT", "--policy", "a,b", "--mixed", "1", "--resume", "1",
+                                "--device", "cpu", "--gen-extra", "64"])
+    path = tmp_path / "sp.json"
+    path.write_text(json.dumps({"config": dict(cfg, resume=False, solo="a"), "runs": {"a": {"x": 1}}}))
+    assert step_profile.earlier_runs(str(path), cfg, step_profile.SAME_RUNS)[0] == {"a": {"x": 1}}
+    # Another generation length: a --mixed-only call still takes the solo runs, a resumed one does not.
+    path.write_text(json.dumps({"config": dict(cfg, gen_extra=32), "runs": {"a": {"x": 1}}}))
+    assert step_profile.earlier_runs(str(path), cfg)[0] == {"a": {"x": 1}}
+    assert step_profile.earlier_runs(str(path), cfg, step_profile.SAME_RUNS) == ({}, None)
+    assert step_profile.run_label(["a"]) == "a" and step_profile.run_label(["a", "b"]) == "mixed:a+b"
+
+
 def test_options_mixed_only_implies_mixed_and_cpu_defaults():
     cfg = step_profile.options(["x", "MODEL", "OUT", "--policy", "a,b", "--mixed-only", "1", "--device", "cpu"])
     assert cfg["mixed"] and cfg["mixed_only"] and cfg["steps"] == 0 and cfg["requests"] == 4
@@ -128,11 +141,24 @@ def test_every_policy_of_a_mixed_run_shows_in_the_split(tmp_path):
 
 def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # its own metrics dir
-    proc = subprocess.run([sys.executable, str(REPO / "bench/step_profile.py"), str(tiny_llama), str(tmp_path),
-                           "--device", "cpu", "--policy", "streaming,crystalcache", "--mixed", "1", "--budget", "8",
-                           "--out", "sp.json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads((tmp_path / "sp.json").read_text())
+
+    def call(*extra):
+        proc = subprocess.run([sys.executable, str(REPO / "bench/step_profile.py"), str(tiny_llama), str(tmp_path),
+                               "--device", "cpu", "--policy", "streaming,crystalcache", "--mixed", "1",
+                               "--budget", "8", "--out", "sp.json", *extra],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        return proc, json.loads((tmp_path / "sp.json").read_text())
+
+    # A first call cut short: streaming alone and the mix; the second,
+    # resumed, runs only what the first did not (crystalcache alone).
+    _, first = call("--solo", "streaming")
+    assert set(first["runs"]) == {"streaming", "mixed:streaming+crystalcache"}
+    proc, result = call("--resume", "1")
+    assert result["runs"]["streaming"] == first["runs"]["streaming"]
+    assert result["runs"]["mixed:streaming+crystalcache"] == first["runs"]["mixed:streaming+crystalcache"]
+    assert [r["runs"] for r in result["resumed_from"]] == [["mixed:streaming+crystalcache", "streaming"]]
+    assert "--solo streaming" in result["resumed_from"][0]["command"]
     assert result["device"] == "cpu"
     assert set(result["runs"]) == {"streaming", "crystalcache", "mixed:streaming+crystalcache"}
     # crystalcache refuses budget 8: it runs at the smallest budget it accepts.
@@ -151,13 +177,14 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     walls = sorted((r["wall_clock"] for r in result["runs"].values()), key=lambda w: w["start"])
     assert all(w["start"] < w["ramp_end"] <= w["end"] for w in walls)
     assert all(a["end"] <= b["start"] for a, b in zip(walls, walls[1:]))  # one run after another
+    assert walls[-1] == result["runs"]["crystalcache"]["wall_clock"]  # the resumed call's run came last
     assert comp["whole_run"]["ramp"]["ratio"] > 0 and comp["whole_run"]["after_ramp"]["ratio"] > 0
     assert comp["members_harmonic_mean_tokens_per_s"] == pytest.approx(step_profile.harmonic_mean(
         [comp["members_tokens_per_s"]["streaming"], comp["members_tokens_per_s"]["crystalcache"]]), abs=0.1)
     # The warm-up batch (the default) ran first, every policy in it, and is no recorded run.
     warm = result["warmup"]
     assert warm["members"] == ["streaming", "crystalcache"] and 0 < warm["ramp_s"] <= warm["whole_run_s"]
-    assert warm["wall_clock"]["end"] <= walls[0]["start"]
+    assert warm["wall_clock"]["end"] <= walls[-1]["start"]
     assert "warm-up: 2 policies" in proc.stdout
 
 
