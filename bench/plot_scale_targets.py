@@ -1,0 +1,119 @@
+"""Issue #29's targets at its own scale, from one step-profile JSON (the
+eight decode-time policies alone and mixed, bench/step_profile.py) and one
+vanilla point (bench/gpu_headline.py --parts vanilla, the same KV memory):
+each run's tokens/s as a multiple of vanilla SGLang's 16K generation, both
+methods (steady window, whole run), each policy's target marked, and the
+mix against its members' harmonic mean in the title. Prints the same as a
+markdown table (for docs/gpu-kernels.md).
+
+    python bench/plot_scale_targets.py STEP_PROFILE.json GPU_HEADLINE.json OUT.png [--generate 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_profile import mixed_label  # noqa: E402
+
+#: The issue's targets, as multiples of vanilla's 16K generation: the seed
+#: policies 3x, crystalcache 2x, streaming and longflow 5x, the mix 3x (h2o
+#: has none; the mix also >= 0.9x its members' harmonic mean).
+TARGETS = {"rkv": 3.0, "skipkv": 3.0, "thinkv": 3.0, "crystal_kv": 3.0, "crystalcache": 2.0,
+           "streaming": 5.0, "longflow": 5.0, "mixed": 3.0}
+MIX_TARGET = 0.9
+
+
+def vanilla_rate(headline: dict, generate: int) -> float:
+    """Vanilla's decode tokens/s for a `generate`-token generation."""
+    for entry in headline.get("vanilla", []):
+        if entry.get("generate") == generate:
+            return entry["tokens_per_s"]
+    raise SystemExit(f"no vanilla entry for --generate {generate} (have {[e.get('generate') for e in headline.get('vanilla', [])]})")
+
+
+def rows_of(profile: dict, vanilla: float) -> list[dict]:
+    """One row per run (members in the mix's order, then the mix)."""
+    comp = profile.get("comparison") or {}
+    mix = comp.get("mixed")
+    if not mix or mix not in profile["runs"]:
+        raise SystemExit("the step profile holds no mixed run (bench/step_profile.py --mixed 1)")
+    names = mix.split(":", 1)[1].split("+")
+    assert mix == mixed_label(names)
+    out = []
+    for name in [*names, mix]:
+        run = profile["runs"].get(name)
+        if run is None:
+            raise SystemExit(f"the step profile lacks the run {name!r} (resume the call: --resume 1)")
+        key = "mixed" if name == mix else name
+        window, whole = run["tokens_per_s_unprofiled"], run["tokens_per_s_whole_run"]
+        out.append({"run": "mix of " + str(len(names)) if name == mix else name, "key": key,
+                    "window": window, "whole": whole, "x_window": window / vanilla, "x_whole": whole / vanilla,
+                    "target": TARGETS.get(key), "window_full": run.get("window_full", True),
+                    "requests": run.get("requests")})
+    return out
+
+
+def table(rows: list[dict], vanilla: float) -> str:
+    lines = [f"| run | steady tok/s | whole run tok/s | x vanilla 16K ({vanilla:,.0f} tok/s), steady / whole | target | met |",
+             "| --- | ---: | ---: | --- | ---: | --- |"]
+    for r in rows:
+        target = r["target"]
+        met = "" if target is None else ("yes" if min(r["x_window"], r["x_whole"]) >= target else
+                                         "whole run only" if r["x_whole"] >= target else
+                                         "window only" if r["x_window"] >= target else "no")
+        note = "" if r["window_full"] else " (window not full)"
+        lines.append(f"| {r['run']}{note} | {r['window']:,.0f} | {r['whole']:,.0f} | {r['x_window']:.2f} / "
+                     f"{r['x_whole']:.2f} | {'' if target is None else f'{target:g}x'} | {met} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], comp: dict, vanilla: float, title: str, out: str) -> None:
+    fig, ax = plt.subplots(figsize=(1.0 * len(rows) + 3, 4.6))
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], [r["x_window"] for r in rows], 0.4, label="steady window")
+    ax.bar([i + 0.2 for i in x], [r["x_whole"] for r in rows], 0.4, label="whole run")
+    for i, r in enumerate(rows):
+        if r["target"] is not None:
+            ax.hlines(r["target"], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1.2,
+                      label="target" if i == min(j for j, q in enumerate(rows) if q["target"] is not None) else None)
+        for dx, v in ((-0.2, r["x_window"]), (0.2, r["x_whole"])):
+            ax.annotate(f"{v:.2f}", (i + dx, v), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_xticks(x, [r["run"] for r in rows], fontsize=8, rotation=20)
+    ax.set_ylabel(f"x vanilla SGLang 16K ({vanilla:,.0f} tok/s)")
+    ratio, whole = comp.get("ratio"), comp.get("whole_run", {}).get("ratio")
+    ax.set_title(f"{title}\nmix / members' harmonic mean: {ratio} steady, {whole} whole run (target {MIX_TARGET})",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("profile")
+    ap.add_argument("headline")
+    ap.add_argument("out")
+    ap.add_argument("--generate", type=int, default=16384)
+    args = ap.parse_args()
+    profile, headline = json.load(open(args.profile)), json.load(open(args.headline))
+    vanilla = vanilla_rate(headline, args.generate)
+    rows = rows_of(profile, vanilla)
+    cfg = profile["config"]
+    title = (f"{profile['device']}: {cfg['requests']} rows, budget {cfg['budget']}, "
+             f"{cfg['kv_tokens']:,} KV tokens (vanilla {headline['device']})")
+    plot(rows, profile["comparison"], vanilla, title, args.out)
+    print(table(rows, vanilla))
+    print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
