@@ -308,6 +308,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke run)", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "command": "python bench/gpu_headline.py " + " ".join(sys.argv[1:]), "config": cfg,
                "kv_bytes": cfg["kv_tokens"] * BYTES_PER_TOKEN, "vanilla": [], "kvsieve": [], "full_check": {}}
+    os.makedirs(out_dir, exist_ok=True)  # a part's results must not be lost to a missing folder (2026-12-03)
     path = os.path.join(out_dir, "gpu-headline.json")
     if os.path.exists(path):  # a later part of the same round adds to the earlier one
         previous = json.load(open(path))

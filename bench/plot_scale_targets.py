@@ -51,9 +51,10 @@ def rows_of(profile: dict, vanilla: float) -> list[dict]:
     out = []
     for name in [*names, mix]:
         run = profile["runs"].get(name)
-        if run is None:
-            raise SystemExit(f"the step profile lacks the run {name!r} (resume the call: --resume 1)")
         key = "mixed" if name == mix else name
+        if run is None:  # a call cut short: named, drawn as missing (resume it: --resume 1)
+            out.append({"run": name, "key": key, "missing": True, "target": TARGETS.get(key)})
+            continue
         window, whole = run["tokens_per_s_unprofiled"], run["tokens_per_s_whole_run"]
         out.append({"run": "mix of " + str(len(names)) if name == mix else name, "key": key,
                     "window": window, "whole": whole, "x_window": window / vanilla, "x_whole": whole / vanilla,
@@ -67,11 +68,18 @@ def table(rows: list[dict], vanilla: float) -> str:
              "| --- | ---: | ---: | --- | ---: | --- |"]
     for r in rows:
         target = r["target"]
+        if r.get("missing"):
+            lines.append(f"| {r['run']} | not run | not run | | {'' if target is None else f'{target:g}x'} | |")
+            continue
+        if not r["window_full"]:  # the batch ended inside its window: the whole run alone is judged
+            met = "" if target is None else "whole run (no window)" if r["x_whole"] >= target else "no"
+            lines.append(f"| {r['run']} | no window | {r['whole']:,.0f} | – / {r['x_whole']:.2f} | "
+                         f"{'' if target is None else f'{target:g}x'} | {met} |")
+            continue
         met = "" if target is None else ("yes" if min(r["x_window"], r["x_whole"]) >= target else
                                          "whole run only" if r["x_whole"] >= target else
                                          "window only" if r["x_window"] >= target else "no")
-        note = "" if r["window_full"] else " (window not full)"
-        lines.append(f"| {r['run']}{note} | {r['window']:,.0f} | {r['whole']:,.0f} | {r['x_window']:.2f} / "
+        lines.append(f"| {r['run']} | {r['window']:,.0f} | {r['whole']:,.0f} | {r['x_window']:.2f} / "
                      f"{r['x_whole']:.2f} | {'' if target is None else f'{target:g}x'} | {met} |")
     return "\n".join(lines)
 
@@ -79,19 +87,29 @@ def table(rows: list[dict], vanilla: float) -> str:
 def plot(rows: list[dict], comp: dict, vanilla: float, title: str, out: str) -> None:
     fig, ax = plt.subplots(figsize=(1.0 * len(rows) + 3, 4.6))
     x = list(range(len(rows)))
-    ax.bar([i - 0.2 for i in x], [r["x_window"] for r in rows], 0.4, label="steady window")
-    ax.bar([i + 0.2 for i in x], [r["x_whole"] for r in rows], 0.4, label="whole run")
+    # A run without a steady window (its batch ended inside it) or not run has no bar of that kind.
+    window = [r["x_window"] if not r.get("missing") and r["window_full"] else 0.0 for r in rows]
+    whole = [0.0 if r.get("missing") else r["x_whole"] for r in rows]
+    ax.bar([i - 0.2 for i in x], window, 0.4, label="steady window")
+    ax.bar([i + 0.2 for i in x], whole, 0.4, label="whole run")
+    first_target = min((j for j, q in enumerate(rows) if q["target"] is not None), default=None)
     for i, r in enumerate(rows):
         if r["target"] is not None:
             ax.hlines(r["target"], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1.2,
-                      label="target" if i == min(j for j, q in enumerate(rows) if q["target"] is not None) else None)
-        for dx, v in ((-0.2, r["x_window"]), (0.2, r["x_whole"])):
-            ax.annotate(f"{v:.2f}", (i + dx, v), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+                      label="target" if i == first_target else None)
+        if r.get("missing"):
+            ax.annotate("not run", (i, 0.05), ha="center", fontsize=7, rotation=90)
+            continue
+        for dx, v, shown in ((-0.2, r["x_window"], r["window_full"]), (0.2, r["x_whole"], True)):
+            ax.annotate(f"{v:.2f}" if shown else "no window", (i + dx, v if shown else 0.05),
+                        textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7,
+                        rotation=0 if shown else 90)
     ax.set_xticks(x, [r["run"] for r in rows], fontsize=8, rotation=20)
     ax.set_ylabel(f"x vanilla SGLang 16K ({vanilla:,.0f} tok/s)")
     ratio, whole = comp.get("ratio"), comp.get("whole_run", {}).get("ratio")
-    ax.set_title(f"{title}\nmix / members' harmonic mean: {ratio} steady, {whole} whole run (target {MIX_TARGET})",
-                 fontsize=9)
+    against = (f"{ratio} steady, {whole} whole run" if ratio is not None and whole is not None else
+               "not known: " + ", ".join(comp.get("missing_members", [])) + " not run")
+    ax.set_title(f"{title}\nmix / members' harmonic mean: {against} (target {MIX_TARGET})", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

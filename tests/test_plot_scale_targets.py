@@ -52,6 +52,19 @@ def test_targets_judged_by_both_methods(tmp_path):
     assert "1,000 tok/s" in proc.stdout
 
 
+def test_a_call_cut_short_shows_what_ran(tmp_path):
+    # rkv not run; streaming's batch ended inside its window (one late row): its whole run is judged alone.
+    prof = profile({"streaming": (170, 5100), "crystalcache": (2500, 2600),
+                    "mixed:streaming+crystalcache+rkv": (3300, 2900)})
+    prof["runs"]["streaming"]["window_full"] = False
+    proc, out = run(tmp_path, prof, headline(1000.0))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert "| no window | 5,100 | – / 5.10 | 5x | whole run (no window) |" in lines["streaming"]
+    assert "| not run | not run |" in lines["rkv"]
+
+
 def test_a_profile_without_its_mix_or_vanilla_point_is_refused(tmp_path):
     rates = {"streaming": (5200, 4800), "crystalcache": (2500, 2600), "rkv": (2900, 3100)}
     proc, out = run(tmp_path, profile(rates), headline(1000.0))
