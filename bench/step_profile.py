@@ -4,7 +4,8 @@
         [--requests 512] [--steps 16] [--policy-params '{"crystal_kv": {...}}'] [--stack 0|1]
         [--mixed 0|1] [--mixed-only 0|1] [--mixed-first 0|1] [--device cuda|cpu] [--kv-tokens 786432]
         [--solo h2o,rkv] [--ranges 0|1] [--window-steps 64] [--gen-extra 192] [--pyspy SECONDS]
-        [--activities CPU,GPU|GPU] [--warmup 1|0] [--resume 0|1] [--out step-profile.json]
+        [--activities CPU,GPU|GPU] [--warmup 1|0] [--resume 0|1] [--log-level warning|info]
+        [--out step-profile.json]
 
 Starts the kvsieve engine exactly as bench/gpu_headline.py does (dummy
 weights, the same KV split). For each policy in turn, runs --requests
@@ -158,7 +159,10 @@ def options(argv: list[str] | None = None) -> dict:
             "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
             "ranges": opts.get("--ranges", "1") == "1",
             "activities": opts.get("--activities", "CPU,GPU").split(","),
-            "warmup": opts.get("--warmup", "1") == "1", "resume": opts.get("--resume", "0") == "1"}
+            "warmup": opts.get("--warmup", "1") == "1", "resume": opts.get("--resume", "0") == "1",
+            # info: SGLang logs each prefill batch and every 40th decode step
+            # (running and queued requests): when a row was admitted, and why not sooner.
+            "log_level": opts.get("--log-level", "warning")}
 
 
 #: The warm-up batch's prompt seed: none of the recorded runs' (7 and up),
@@ -519,6 +523,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
     budget = max(specs[name]["budget"] or cfg["budget"] for name in names)
     rows = deal(names, n)
     counts = [0] * n
+    first_token_s = [None] * n  # when each row's first chunk came: a row admitted late shows here
     started = time.perf_counter()
     wall = {"start": round(time.time(), 3)}  # epoch seconds: the step log's clock (capture_churn --profile)
 
@@ -526,6 +531,8 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
         sampling = headline.params(budget + cfg["gen_extra"], policies[rows[i]])
         async for chunk in await engine.async_generate(input_ids=ids, sampling_params=sampling, stream=True):
             counts[i] = chunk["meta_info"]["completion_tokens"]
+            if first_token_s[i] is None:
+                first_token_s[i] = time.perf_counter() - started
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(headline.prompts(n, headline.SHORT_PROMPT, seed))]
     while min(counts) < budget + 32:
@@ -569,7 +576,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
               "whole_run_profiled_steps": cfg["steps"],
               "tokens_per_s_ramp": round(ramp_tokens / ramp_s, 1),
               "tokens_per_s_after_ramp": round((sum(counts) - ramp_tokens) / max(whole_s - ramp_s, 1e-9), 1),
-              "window_full": window_full, "wall_clock": wall,
+              "window_full": window_full, "wall_clock": wall, "first_tokens": late_rows(first_token_s, rows),
               "graphs": graph_rates(graphs_before, graphs_after, (after[1] - before[1]) / n)}
     if sampler is not None:
         result["pyspy"] = finish_pyspy(*sampler)
@@ -580,6 +587,23 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
         result["profile"] = summarize(traces[-1], cfg["steps"])
         result["profile"].update(policy_ranges(result["profile"], names))
     return result
+
+
+#: A row whose first token came this many seconds after the batch's median
+#: first token is named in `first_tokens.late` (admitted after the others).
+LATE_ROW_S = 2.0
+
+
+def late_rows(first_token_s: list, rows: list[str]) -> dict:
+    """When the batch's rows got their first token: the median, the last, and
+    the rows that came LATE_ROW_S or more after the median (row, policy, s)."""
+    seen = sorted(s for s in first_token_s if s is not None)
+    if not seen:
+        return {"median_s": None, "last_s": None, "late": []}
+    median = seen[len(seen) // 2]
+    late = [{"row": i, "policy": rows[i], "first_token_s": round(s, 2)}
+            for i, s in enumerate(first_token_s) if s is not None and s >= median + LATE_ROW_S]
+    return {"median_s": round(median, 2), "last_s": round(seen[-1], 2), "late": late}
 
 
 def start_pyspy(cfg: dict, out_dir: str, label: str):
@@ -685,7 +709,7 @@ def main() -> None:
     device_kwargs = dict(cuda_graph_max_bs_decode=128) if cfg["device"] == "cuda" else \
         dict(device="cpu", disable_cuda_graph=True)
     engine = sgl.Engine(model_path=model, load_format="dummy", skip_tokenizer_init=True, sampling_backend="pytorch",
-                        log_level="warning", mem_fraction_static=0.85, stream_interval=headline.STREAM_INTERVAL,
+                        log_level=cfg["log_level"], mem_fraction_static=0.85, stream_interval=headline.STREAM_INTERVAL,
                         attention_backend="kvsieve", max_total_tokens=pool_tokens, max_running_requests=cfg["requests"],
                         **device_kwargs)
     trace_dir = os.path.join("/tmp", "kvsieve-trace")

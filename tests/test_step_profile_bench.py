@@ -25,6 +25,21 @@ def test_harmonic_mean():
     assert step_profile.harmonic_mean([100.0, 300.0], [3, 1]) == pytest.approx(4 / (3 / 100 + 1 / 300))
 
 
+def test_late_rows_are_those_admitted_well_after_the_median():
+    first = [0.5, 0.6, 0.55, 9.0, None]
+    rows = ["h2o", "rkv", "h2o", "rkv", "h2o"]
+    seen = step_profile.late_rows(first, rows)
+    assert seen["median_s"] == 0.6 and seen["last_s"] == 9.0
+    assert seen["late"] == [{"row": 3, "policy": "rkv", "first_token_s": 9.0}]
+    assert step_profile.late_rows([None], ["h2o"]) == {"median_s": None, "last_s": None, "late": []}
+
+
+def test_options_log_level():
+    argv = ["step_profile.py", "model", "out"]
+    assert step_profile.options(argv)["log_level"] == "warning"
+    assert step_profile.options(argv + ["--log-level", "info"])["log_level"] == "info"
+
+
 def test_comparison_of_a_mixed_run_with_its_members():
     runs = {"streaming": {"tokens_per_s_unprofiled": 100.0}, "rkv": {"tokens_per_s_unprofiled": 300.0},
             "mixed:streaming+rkv": {"tokens_per_s_unprofiled": 120.0}}
@@ -186,6 +201,10 @@ def test_cpu_path_solo_and_mixed_runs(tmp_path, tiny_llama):
     assert warm["members"] == ["streaming", "crystalcache"] and 0 < warm["ramp_s"] <= warm["whole_run_s"]
     assert warm["wall_clock"]["end"] <= walls[-1]["start"]
     assert "warm-up: 2 policies" in proc.stdout
+    # Every row's first token was seen; no row of these small batches came late.
+    for run in result["runs"].values():
+        first = run["first_tokens"]
+        assert 0 < first["median_s"] <= first["last_s"] and first["late"] == []
 
 
 def test_gaps_are_told_apart_by_when_their_next_operation_was_launched(tmp_path):
