@@ -141,12 +141,20 @@ import gpu_headline as headline  # noqa: E402  (same engine setup and prompts)
 import gpu_smoke as smoke  # noqa: E402  (policy_specs: budgets a policy accepts; the tiny CPU model)
 
 
+#: Tokens past the budget every row holds before the window starts (each
+#: step then evicts or decides, as in the headline's window).
+RAMP_TOKENS = 32
+
+
 def options(argv: list[str] | None = None) -> dict:
     argv = sys.argv if argv is None else argv
     opts = dict(zip(argv[3::2], argv[4::2]))
     device = opts.get("--device", "cuda")
     cuda = device == "cuda"
     mixed_only = opts.get("--mixed-only", "0") == "1"
+    if int(opts.get("--gen-extra", 192)) <= RAMP_TOKENS:
+        # Rows would end before the window's threshold (budget + 32): the ramp would wait forever.
+        raise SystemExit(f"--gen-extra must be above {RAMP_TOKENS}: the window starts at budget + {RAMP_TOKENS} tokens")
     return {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024 if cuda else 16)),
             "requests": int(opts.get("--requests", 512 if cuda else 4)),
             "steps": int(opts.get("--steps", 16)) if cuda else 0,
@@ -535,7 +543,7 @@ async def profile_batch(engine, cfg, names: list[str], specs: dict, seed: int, t
                 first_token_s[i] = time.perf_counter() - started
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(headline.prompts(n, headline.SHORT_PROMPT, seed))]
-    while min(counts) < budget + 32:
+    while min(counts) < budget + RAMP_TOKENS:
         if any(t.done() and t.exception() for t in tasks):
             await asyncio.gather(*tasks)  # raises the request's error
         await asyncio.sleep(0.05)

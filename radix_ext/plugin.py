@@ -110,12 +110,23 @@ def keep_chunk_progress(original, req, tree_cache, *args, **kwargs):
     return result
 
 
-def retry_prefill_after_freed_slots(scheduler, running_batch=None, *args, **kwargs):
+def retry_prefill_after_freed_slots(scheduler, running_batch=None, last_batch=None, *args, **kwargs):
     """BEFORE hook on Scheduler.get_next_batch_to_run. SGLang stops trying
     new prefills once a request did not fit (batch_is_full) until a running
-    request finishes; pool slots freed at a compressed prefill's end are room
-    too, so let the waiting queue try again."""
-    if RUNTIME.pool_slots_freed and running_batch is not None:
+    request finishes. Two kinds of room come back without that, so the
+    waiting queue tries again:
+
+    - pool slots freed at a compressed prefill's end;
+    - after any prefill batch: SGLang 0.5.17 declares the batch full one
+      request early while a chunked request is in the pass (its request slot
+      is counted taken and, in the pass's list, again; sglang#35537,
+      sglang#30295), so with max_running_requests requests in flight the last
+      one waited for a whole generation to end. One more pass after the
+      prefill admits it; a batch really full is found full again (at most one
+      extra pass per prefill)."""
+    after_prefill = last_batch is not None and last_batch.forward_mode.is_extend()
+    if running_batch is not None and (RUNTIME.pool_slots_freed or (
+            after_prefill and running_batch.batch_is_full and scheduler.waiting_queue)):
         running_batch.batch_is_full = False
         RUNTIME.pool_slots_freed = False
     lifecycle.publish_live()  # an int compare unless the count changed

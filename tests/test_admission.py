@@ -3,6 +3,7 @@ compressed requests run at once, where only a fraction of N full ones fit.
 Generated tokens of compressed requests take no pool slot."""
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -106,5 +107,42 @@ def test_retracted_requests_come_back_and_compressed_ones_go_last(tiny_llama, tm
         assert metric(server, "sglang:num_retracted_requests_total") > mixed
         assert region_idle(server)
         assert metric(server, "kvsieve_region_reserved_pages") == 0
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_the_last_request_under_max_running_requests_is_not_held_behind_a_chunked_prefill(tiny_llama, tmp_path):
+    """As many requests as --max-running-requests, prompts of 70 tokens in
+    128-token prefill chunks (every pass holds a chunked request): SGLang
+    0.5.17 counts a chunked request twice when it checks the batch's slots,
+    marks the batch full one request early, and keeps it so until a running
+    request finishes; the last request then waited for the whole batch to
+    end. kvsieve's next-batch hook lets the queue try again after a prefill:
+    every request starts before any finishes, compressed and full alike."""
+    rows, new = 12, 48
+    server = start_server(tmp_path, "--model", str(tiny_llama), "--max-running-requests", str(rows),
+                          "--chunked-prefill-size", "128")
+    policies = ["full", {"name": "streaming", "budget": 16}, {"name": "h2o", "budget": 16}]
+
+    async def run():
+        started = time.monotonic()
+        first, done = [None] * rows, [None] * rows
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(i):
+                body = {"prompt": [i + 1] + [(11 * j + 7 * i) % 300 + 50 for j in range(69)], "max_tokens": new,
+                        "ignore_eos": True, "temperature": 0, "stream": True, "kv_policy": policies[i % 3]}
+                async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {") and first[i] is None:
+                            first[i] = time.monotonic() - started
+                done[i] = time.monotonic() - started
+            await asyncio.gather(*(one(i) for i in range(rows)))
+        return first, done
+
+    try:
+        first, done = asyncio.run(run())
+        assert max(first) < min(done), (first, done)  # all ran at once: none waited for another to end
+        assert region_idle(server)
     finally:
         assert server.stop() == 0, server.log()

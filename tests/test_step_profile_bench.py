@@ -38,6 +38,8 @@ def test_options_log_level():
     argv = ["step_profile.py", "model", "out"]
     assert step_profile.options(argv)["log_level"] == "warning"
     assert step_profile.options(argv + ["--log-level", "info"])["log_level"] == "info"
+    with pytest.raises(SystemExit, match="--gen-extra must be above 32"):
+        step_profile.options(argv + ["--gen-extra", "16"])  # rows would end before the window's threshold
 
 
 def test_comparison_of_a_mixed_run_with_its_members():
