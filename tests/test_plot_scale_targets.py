@@ -63,6 +63,12 @@ def test_a_call_cut_short_shows_what_ran(tmp_path):
     lines = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
     assert "| no window | 5,100 | – / 5.10 | 5x | whole run (no window) |" in lines["streaming"]
     assert "| not run | not run |" in lines["rkv"]
+    # Against the two measured members (2 rows each of 6): whole run 2,900 / (4 / (2/5100 + 2/2600))
+    # = 0.842; 0.9 of all three holds while 2 / rkv's rate >= 0.9 * 6 / 2900 - (2/5100 + 2/2600),
+    # i.e. rkv at most 2,854 tok/s. streaming had no steady window: no steady comparison.
+    assert "steady: not known (streaming: no steady window)" in proc.stdout
+    assert ("whole run: mix / the 2 measured members 0.842; 0.9 of all 3 met unless rkv run above "
+            "2,854 tok/s (2.9x vanilla)") in proc.stdout
 
 
 def test_a_profile_without_its_mix_or_vanilla_point_is_refused(tmp_path):
@@ -72,3 +78,15 @@ def test_a_profile_without_its_mix_or_vanilla_point_is_refused(tmp_path):
     rates["mixed:streaming+crystalcache+rkv"] = (3300, 2900)
     proc, out = run(tmp_path, profile(rates), {"device": "GPU X", "vanilla": [{"generate": 8192, "tokens_per_s": 1}]})
     assert proc.returncode != 0 and "--generate 16384" in proc.stderr and not out.exists()
+
+
+def test_a_mix_far_above_its_measured_members_meets_the_target_whatever_the_missing_one_runs_at():
+    import plot_scale_targets
+
+    prof = profile({"streaming": (1000, 1000), "crystalcache": (1000, 1000), "mixed:streaming+crystalcache+rkv": (3000, 900)})
+    lines = plot_scale_targets.partial_mix(prof, 1000.0)
+    # 0.9 * 6 / 3000 = 0.0018 < 2/1000 + 2/1000: met however fast rkv ran. Whole run: room
+    # 0.9 * 6 / 900 - 0.004 = 0.002, so rkv's 2 rows at most 1,000 tok/s.
+    assert lines == ["steady: mix / the 2 measured members 3.000; 0.9 of all 3 met at any rate of rkv",
+                     "whole run: mix / the 2 measured members 0.900; 0.9 of all 3 met unless rkv run above "
+                     "1,000 tok/s (1.0x vanilla)"]
