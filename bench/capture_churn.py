@@ -173,8 +173,10 @@ def decode_steps(lines: list[dict]) -> list[tuple[dict, str, float]]:
 
 def time_budget(lines: list[dict]) -> dict:
     """The decode seconds as steady steps (each at the median step time)
-    plus the excess of the slower ones, by cause; tokens/s of the whole
-    run and at the median step."""
+    plus the excess of the slower ones, by cause, minus what the faster
+    ones saved (`below_median_s`: under traffic a step of few rows is far
+    below the median, so the steady seconds can exceed the whole);
+    tokens/s of the whole run and at the median step."""
     steps = decode_steps(lines)
     if not steps:
         return {}
@@ -182,14 +184,15 @@ def time_budget(lines: list[dict]) -> dict:
     meta = statistics.median(line.get("meta_ms", 0.0) for line, _, _ in steps)
     groups = statistics.median(line.get("host_groups_ms", 0.0) for line, _, _ in steps)
     excess: dict = collections.Counter()
-    after_reset = 0.0
+    after_reset = below = 0.0
     last_reset = None
     # A reset happens in a step's begin_step, before its line's counters are read.
     resets_before = {id(b): a.get("counters", {}).get("resets", 0) for a, b in zip(lines, lines[1:])}
     for i, (line, kind, seconds) in enumerate(steps):
         if line.get("counters", {}).get("resets", 0) > resets_before.get(id(line), 0):
             last_reset = i
-        if seconds - median <= 1e-6:  # at the median, to the clock's rounding
+        if seconds - median <= 1e-6:  # at or below the median, to the clock's rounding
+            below += max(median - seconds, 0.0)
             continue
         if kind not in REPLAYS and last_reset is not None and i - last_reset < RESET_WINDOW:
             after_reset += seconds - median
@@ -207,7 +210,7 @@ def time_budget(lines: list[dict]) -> dict:
     rows = statistics.median(line["bs"] for line, _, _ in steps)
     return {"median_step_ms": round(1000 * median, 2), "decode_s": round(total, 3),
             "steady_s": round(median * len(steps), 3),
-            "excess_s": {k: round(v, 3) for k, v in excess.most_common()},
+            "excess_s": {k: round(v, 3) for k, v in excess.most_common()}, "below_median_s": round(below, 3),
             "captures_after_resets_s": round(after_reset, 3),
             "whole_run_tokens_per_s": round(tokens / total, 1) if total else None,
             "median_step_tokens_per_s": round(rows / median, 1) if median else None}

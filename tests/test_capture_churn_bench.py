@@ -97,6 +97,23 @@ def test_the_time_budget_splits_the_steady_steps_from_the_slow_ones_by_cause():
                                   "host groups": 0.02}
     assert budget["median_step_tokens_per_s"] == 12800.0
     assert budget["whole_run_tokens_per_s"] == round(10 * 128 / 0.29, 1)
+    assert budget["below_median_s"] == 0.0  # no step faster than the median
+
+
+def test_the_time_budget_counts_what_steps_below_the_median_saved():
+    # Three replays of 10 ms and two of 1 ms (a step of few rows under
+    # traffic): 5 x 10 ms at the median is more than the 32 ms decoded, by
+    # the 18 ms the fast steps saved.
+    c = {"forward_replays": 0}
+    lines, t = [], 0.0
+    for ms in (10, 10, 10, 1, 1):
+        lines.append(step(t, 128, c))
+        c["forward_replays"] += 1
+        t += ms / 1000
+    lines.append({"t": t, "mode": "extend", "bs": 1, "tokens": 64, "counters": dict(c)})
+    budget = capture_churn.time_budget(lines)
+    assert budget["steady_s"] == 0.05 and budget["decode_s"] == 0.032 and budget["excess_s"] == {}
+    assert budget["below_median_s"] == 0.018
 
 
 def test_the_step_times_plot_is_written_with_each_logs_budget(tmp_path):
