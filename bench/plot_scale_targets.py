@@ -3,9 +3,9 @@ eight decode-time policies alone and mixed, bench/step_profile.py) and one
 vanilla point (bench/gpu_headline.py --parts vanilla, the same KV memory):
 each run's tokens/s as a multiple of vanilla SGLang's 16K generation, both
 methods (steady window, whole run), each policy's target marked, and the
-mix against its members' harmonic mean in the title (with members not run:
-against the measured ones, and how fast the rest may run with the target met). Prints the same as a
-markdown table (for docs/gpu-kernels.md).
+mix against its members' harmonic mean in the title (with members not
+run: against the measured ones, and how fast the rest may run with the
+target met). Prints the same as a markdown table (for docs/gpu-kernels.md).
 
     python bench/plot_scale_targets.py STEP_PROFILE.json GPU_HEADLINE.json OUT.png [--generate 16384]
 """

@@ -152,25 +152,26 @@ def options(argv: list[str] | None = None) -> dict:
     device = opts.get("--device", "cuda")
     cuda = device == "cuda"
     mixed_only = opts.get("--mixed-only", "0") == "1"
-    if int(opts.get("--gen-extra", 192)) <= RAMP_TOKENS:
+    cfg = {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024 if cuda else 16)),
+           "requests": int(opts.get("--requests", 512 if cuda else 4)),
+           "steps": int(opts.get("--steps", 16)) if cuda else 0,
+           "kv_tokens": int(opts.get("--kv-tokens", 786432 if cuda else 16384)),
+           "out": opts.get("--out", "step-profile.json"),
+           "policy_params": json.loads(opts.get("--policy-params", "{}")), "stack": opts.get("--stack", "0") == "1",
+           "mixed": opts.get("--mixed", "0") == "1" or mixed_only, "mixed_only": mixed_only, "device": device,
+           "mixed_first": opts.get("--mixed-first", "0") == "1",
+           "window_steps": int(opts.get("--window-steps", 64)), "gen_extra": int(opts.get("--gen-extra", 192)),
+           "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
+           "ranges": opts.get("--ranges", "1") == "1",
+           "activities": opts.get("--activities", "CPU,GPU").split(","),
+           "warmup": opts.get("--warmup", "1") == "1", "resume": opts.get("--resume", "0") == "1",
+           # info: SGLang logs each prefill batch and every 40th decode step
+           # (running and queued requests): when a row was admitted, and why not sooner.
+           "log_level": opts.get("--log-level", "warning")}
+    if cfg["gen_extra"] <= RAMP_TOKENS:
         # Rows would end before the window's threshold (budget + 32): the ramp would wait forever.
         raise SystemExit(f"--gen-extra must be above {RAMP_TOKENS}: the window starts at budget + {RAMP_TOKENS} tokens")
-    return {"policy": opts.get("--policy", "streaming"), "budget": int(opts.get("--budget", 1024 if cuda else 16)),
-            "requests": int(opts.get("--requests", 512 if cuda else 4)),
-            "steps": int(opts.get("--steps", 16)) if cuda else 0,
-            "kv_tokens": int(opts.get("--kv-tokens", 786432 if cuda else 16384)),
-            "out": opts.get("--out", "step-profile.json"),
-            "policy_params": json.loads(opts.get("--policy-params", "{}")), "stack": opts.get("--stack", "0") == "1",
-            "mixed": opts.get("--mixed", "0") == "1" or mixed_only, "mixed_only": mixed_only, "device": device,
-            "mixed_first": opts.get("--mixed-first", "0") == "1",
-            "window_steps": int(opts.get("--window-steps", 64)), "gen_extra": int(opts.get("--gen-extra", 192)),
-            "pyspy_s": int(opts.get("--pyspy", 0)), "solo": opts.get("--solo", ""),
-            "ranges": opts.get("--ranges", "1") == "1",
-            "activities": opts.get("--activities", "CPU,GPU").split(","),
-            "warmup": opts.get("--warmup", "1") == "1", "resume": opts.get("--resume", "0") == "1",
-            # info: SGLang logs each prefill batch and every 40th decode step
-            # (running and queued requests): when a row was admitted, and why not sooner.
-            "log_level": opts.get("--log-level", "warning")}
+    return cfg
 
 
 #: The warm-up batch's prompt seed: none of the recorded runs' (7 and up),
