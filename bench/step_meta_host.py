@@ -6,7 +6,8 @@
 
 Builds the region at R1-Distill-Qwen-7B's attention shapes (28 layers, 4 KV
 heads, head_dim 128, page size 16), admits --rows requests with the policies
-dealt round robin (budget 256, 64-token prompts held in the token pool), and
+dealt round robin (budget 256, 64-token prompts held in the token pool;
+streaming with `buffer` 1, a decision every step), and
 runs the backend's per-step host work for --steps decode steps: the page
 manager's bookkeeping, `StepBuilder.build` (groups, padding, page table) and
 `RegionGraphs.begin_step` (the static copies a replay reads). Per row count
@@ -110,6 +111,8 @@ def setup(rows: int, names: list[str], budget: int, device: str, steps: int):
             rids.append(rid)
             continue
         kv_policy = {"name": name, "budget": max(budget, 132 if name == "crystalcache" else budget)}
+        if name == "streaming":  # rolling every step, as before its cadence: a group each step, the host's worst case
+            kv_policy["params"] = {"buffer": 1}
         RUNTIME.admit(rid, {"kv_policy": kv_policy}, prompt_len=PROMPT,
                       sgl_req=SimpleNamespace(req_pool_idx=i, to_finish=None))
         req = RUNTIME.requests[rid]

@@ -13,6 +13,13 @@ def streaming_keep(positions: list[int], budget: int, sinks: int) -> set[int]:
     return set(ordered[:sinks]) | set(ordered[len(ordered) - (budget - sinks):])
 
 
+def streaming_step(held: set[int], new: int, step: int, budget: int, sinks: int, buffer: int) -> set[int]:
+    """A streaming head after decode step `step` stored token `new`: every
+    `buffer` steps (the first at step buffer - 1) it cuts back to the budget."""
+    held = held | {new}
+    return streaming_keep(list(held), budget, sinks) if (step + 1) % buffer == 0 else held
+
+
 def h2o_keep(scores: dict[int, float], budget: int) -> set[int]:
     ordered = sorted(scores)
     if len(ordered) <= budget:

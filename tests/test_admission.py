@@ -68,7 +68,9 @@ def test_prompt_memory_returns_after_prefill(small_pool_server):
     assert "64 pages x 16 slots" in server.log()
     # First ids the test above did not use (it shares this server): no radix hit.
     prompts = [[N + 1 + i] + [(7 * j + 13 * i) % 300 + 50 for j in range(149)] for i in range(3)]
-    results, peak = asyncio.run(run_batch(server, {"name": "streaming", "budget": 16, "compress_prompt": True}, prompts))
+    # Buffer 1: cut to the budget every step (the default's 16 would reserve 32 a head).
+    policy = {"name": "streaming", "budget": 16, "compress_prompt": True, "params": {"buffer": 1}}
+    results, peak = asyncio.run(run_batch(server, policy, prompts))
     assert all(r["usage"]["completion_tokens"] == NEW for r in results)
     assert all(r["kv_usage"]["retained_tokens"] == 16 for r in results)
     assert peak == 3
@@ -86,7 +88,8 @@ def test_retracted_requests_come_back_and_compressed_ones_go_last(tiny_llama, tm
     # compressed ones; when only compressed ones run, they are retracted too,
     # re-admitted with their outputs as prompt, and finish with every page back.
     server = start_server(tmp_path, "--model", str(tiny_llama), env={"SGLANG_TEST_RETRACT": "1"})
-    compressed = [{"name": name, "budget": 16, "compress_prompt": True} for name in ("h2o", "streaming", "longflow")]
+    compressed = [{"name": name, "budget": 16, "compress_prompt": True} for name in ("h2o", "longflow")] + \
+        [{"name": "streaming", "budget": 16, "compress_prompt": True, "params": {"buffer": 1}}]  # cuts every step
 
     async def run(policies, first_token):
         async with httpx.AsyncClient(timeout=600) as client:

@@ -66,10 +66,16 @@ def test_budget_above_the_length_equals_full(llama_server, policy):
     assert kv["retained_tokens"] == kv["private_tokens"] == len(prompt) + GEN
 
 
+#: Params that make each policy cut back to its budget after every step
+#: (streaming's default cadence cuts every 16th: test_streaming_cuts_back_every_buffer_steps).
+EVERY_STEP = {"streaming": {"buffer": 1}, "h2o": {}, "longflow": {}}
+
+
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "longflow"])
 def test_small_budget_holds_the_budget(llama_server, policy):
     prompt = [90 + WIRED.index(policy), 31, 32, 33, 34]
-    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True}, max_tokens=40)
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": True,
+                                          "params": EVERY_STEP[policy]}, max_tokens=40)
     kv = out["kv_usage"]
     assert kv["retained_tokens"] == 8
     assert kv["evicted_tokens"] == len(prompt) + 40 - 8
@@ -77,10 +83,25 @@ def test_small_budget_holds_the_budget(llama_server, policy):
     assert metric(llama_server, "kvsieve_evicted_tokens_total", policy=policy) >= kv["evicted_tokens"]
 
 
+@pytest.mark.parametrize("buffer", [None, 3, 5])
+def test_streaming_cuts_back_every_buffer_steps(llama_server, buffer):
+    # 40 decode steps (0-39), a cut at steps buffer-1, 2*buffer-1, ...: the
+    # region ends with the budget plus the steps after the last cut (default 16).
+    prompt = [120 + (buffer or 0), 31, 32, 33, 34]
+    policy = {"name": "streaming", "budget": 8, "compress_prompt": True}
+    if buffer:
+        policy["params"] = {"buffer": buffer}
+    kv = complete(llama_server, prompt, policy, max_tokens=40)["kv_usage"]
+    assert kv["retained_tokens"] == 8 + 40 % (buffer or 16)
+    assert kv["evicted_tokens"] == len(prompt) + 40 - kv["retained_tokens"]
+    assert kv["eviction_events"] > 0
+
+
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "longflow"])
 def test_a_kept_prompt_is_whole_and_generated_tokens_hold_the_budget(llama_server, policy):
     prompt = [70 + WIRED.index(policy), 31, 32, 33, 34, 35]
-    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": False}, max_tokens=40)
+    out = complete(llama_server, prompt, {"name": policy, "budget": 8, "compress_prompt": False,
+                                          "params": EVERY_STEP[policy]}, max_tokens=40)
     kv = out["kv_usage"]
     assert kv["retained_tokens"] == len(prompt) + 8  # the prompt in the radix cache, 8 generated in the region
     assert kv["evicted_tokens"] == 40 - 8

@@ -190,11 +190,16 @@ def test_a_batch_replayed_from_whole_forward_graphs_equals_its_solo_runs(llama_s
     assert len(GRAPH_SAFE) >= 5
     # One row of each policy, and three of streaming: its group is padded to
     # 4 rows (step_meta.row_bucket), so the replayed stack runs a padded row.
+    # The two extra ones roll every step (buffer 1) beside the default's 16:
+    # the deciding group is padded with a row not due (it evicts nothing).
+    # (With the default, prompt 8 meets a tie at token 15, fp32 logits
+    # 4.2385 and 4.2313, one bf16 value, where the batch may take the other.)
     names = GRAPH_SAFE + ["streaming", "streaming"]
-    solo = [complete(llama_server, prompt_for(i), policy_for(name), max_tokens=GEN)["choices"][0]["token_ids"]
-            for i, name in enumerate(names)]
+    policies = [policy_for(name) for name in GRAPH_SAFE] + [{**policy_for("streaming"), "params": {"buffer": 1}}] * 2
+    solo = [complete(llama_server, prompt_for(i), policy, max_tokens=GEN)["choices"][0]["token_ids"]
+            for i, policy in enumerate(policies)]
 
-    batched = complete_together(rerun_server, [(prompt_for(i), policy_for(name)) for i, name in enumerate(names)],
+    batched = complete_together(rerun_server, [(prompt_for(i), policy) for i, policy in enumerate(policies)],
                                 max_tokens=GEN)
     for i, name in enumerate(names):
         assert batched[i]["choices"][0]["token_ids"] == solo[i], name
@@ -303,7 +308,7 @@ def test_an_eager_step_defers_its_groups_over_every_layer_after_the_stack(runtim
     once per layer. KVSIEVE_EAGER_DEFER=0 (eager_defer False) keeps the groups
     inside the layers."""
     admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
-    admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
+    admit("b", {"name": "streaming", "budget": 8, "params": {"buffer": 1}}, prompt_len=5, row=5).prefix_len = 5
     step = runtime.build(decode_batch(["a", "b"], [3, 5], [8, 8]))
     layers = [SimpleNamespace(layer_id=i) for i in range(L)]
     calls = []

@@ -55,16 +55,40 @@ def batch_of(name, params, budgets, step=0):
 
 
 def test_streaming_matches_reference_per_row():
-    cases = [(8, 4), (5, 2), (16, 0)]  # (budget, sinks) of each row
-    policy, batch = batch_of("streaming", [{"sinks": s} for _, s in cases], [b for b, _ in cases])
+    # (budget, sinks, buffer) of each row: the paper's roll every step, the
+    # default cadence of 16, and one that does not divide the steps.
+    cases = [(8, 4, 1), (5, 2, 16), (16, 0, 3), (6, 1, 4)]
+    policy, batch = batch_of("streaming", [{"sinks": s, "buffer": k} for _, s, k in cases], [b for b, _, _ in cases])
     view = empty_view(len(cases))
+    expected = [set() for _ in cases]
     for step in range(40):
         store(view, step)
+        batch.step = torch.full((len(cases),), step)
         apply(view, policy.select_decode(batch, view, Observations()))
-        for r, (budget, sinks) in enumerate(cases):
-            expected = ref.streaming_keep(list(range(step + 1)), budget, sinks)
+        for r, (budget, sinks, buffer) in enumerate(cases):
+            expected[r] = ref.streaming_step(expected[r], step, step, budget, sinks, buffer)
+            assert len(expected[r]) <= policy.max_private_tokens(policy.Params(buffer=buffer), 0, 100, budget)
             for h in range(H):
-                assert held_positions(view, r, h) == expected
+                assert held_positions(view, r, h) == expected[r], (step, r, h)
+    assert policy.deciding_rows([]) == []
+
+
+def test_streaming_names_the_rows_due_and_padded_rows_evict_nothing():
+    from kvsieve.policies.base import StepRow
+
+    policy, batch = batch_of("streaming", [{"buffer": 4}, {"buffer": 1}], [4, 4])
+    rows = [StepRow(policy.begin_request(policy.Params(buffer=k), 1, H), step=s, pool_row=0, budget=4, prefill=False)
+            for k, s in ((4, 3), (4, 5), (1, 5))]
+    assert policy.deciding_rows(rows) == [True, False, True]
+    # Row 0 runs select_decode at a step it is not due (padded into the
+    # deciding group): nothing is evicted though it holds past its budget.
+    view = empty_view(2)
+    for pos in range(7):
+        store(view, pos)
+    batch.step = torch.tensor([5, 5])
+    evict = policy.select_decode(batch, view, Observations())
+    assert not evict[0].any()
+    assert evict[1].sum(dim=-1).tolist() == [3] * H
 
 
 def test_h2o_matches_reference_per_row():
@@ -170,7 +194,8 @@ def test_rows_of_a_batch_do_not_see_each_other():
     ("h2o", 10, 100, 32, 33),        # decode fills to budget, +1 before each eviction
     ("h2o", 50, 100, 32, 50),        # the whole prompt is held until prefill ends
     ("h2o", 10, 5, 32, 15),          # never more than the request's length
-    ("streaming", 10, 100, 8, 10),
+    ("streaming", 10, 100, 8, 24),   # evicts every 16 steps (buffer): budget + 16
+    ("streaming", 30, 100, 8, 30),
     ("longflow", 10, 100, 32, 33),
     ("snapkv", 100, 50, 16, 100),    # keeps 16 + window 32 of the prompt, then only adds
     ("snapkv", 100, 80, 16, 128),
@@ -209,19 +234,21 @@ def test_compress_prompt_defaults_per_policy():
 def test_streaming_decode_after_a_prompt_cut_matches_reference():
     # The decode step reads ranks off the held extremes (sinks + an unbroken
     # window); a prompt cut at prefill must leave exactly that shape.
-    cases = [(8, 4), (6, 1), (12, 0)]
-    policy, batch = batch_of("streaming", [{"sinks": s} for _, s in cases], [b for b, _ in cases])
+    cases = [(8, 4, 1), (6, 1, 16), (12, 0, 4)]
+    policy, batch = batch_of("streaming", [{"sinks": s, "buffer": k} for _, s, k in cases], [b for b, _, _ in cases])
     view = empty_view(len(cases))
     for pos in range(30):
         store(view, pos)
     apply(view, policy.select_prefill(batch, view, Observations()))
-    for pos in range(30, 45):
+    expected = [ref.streaming_keep(list(range(30)), budget, sinks) for budget, sinks, _ in cases]
+    for step, pos in enumerate(range(30, 45)):
         store(view, pos)
+        batch.step = torch.full((len(cases),), step)
         apply(view, policy.select_decode(batch, view, Observations()))
-        for r, (budget, sinks) in enumerate(cases):
-            expected = ref.streaming_keep(list(range(pos + 1)), budget, sinks)
+        for r, (budget, sinks, buffer) in enumerate(cases):
+            expected[r] = ref.streaming_step(expected[r], pos, step, budget, sinks, buffer)
             for h in range(H):
-                assert held_positions(view, r, h) == expected, (pos, r, h)
+                assert held_positions(view, r, h) == expected[r], (pos, r, h)
 
 
 @pytest.mark.parametrize("k_max", [0, 1, 3, 40, 100])

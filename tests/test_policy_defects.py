@@ -19,6 +19,7 @@ def run_decode(name, params, budget, steps, obs=lambda view, t: Observations()):
     held = []
     for t in range(steps):
         store(view, t)
+        batch.step = torch.tensor([t])
         apply(view, policy.select_decode(batch, view, obs(view, t)))
         held.append(held_positions(view, 0, 0))
     return held
@@ -27,7 +28,7 @@ def run_decode(name, params, budget, steps, obs=lambda view, t: Observations()):
 def test_streaming_at_a_budget_at_or_below_sinks_still_keeps_the_newest_token():
     # budget 2, sinks 4: before the fix the first 2 tokens froze the cache and
     # every new token was evicted. Now: sinks shrink to budget - 1 = 1.
-    held = run_decode("streaming", {"sinks": 4}, budget=2, steps=6)
+    held = run_decode("streaming", {"sinks": 4, "buffer": 1}, budget=2, steps=6)
     assert held[-1] == {0, 5}
     assert all(t in h for t, h in enumerate(held))
 
@@ -96,7 +97,7 @@ def test_a_preset_key_starts_from_the_preset_and_the_other_keys_override_it():
     presets = {"fast": {"name": "streaming", "budget": 64, "params": {"sinks": 2}}}
     spec = parse_kv_policy({"preset": "fast", "budget_ratio": 0.25}, presets)
     assert (spec.name, spec.budget, spec.budget_ratio, spec.params, spec.preset) == \
-        ("streaming", None, 0.25, {"sinks": 2}, "fast")
+        ("streaming", None, 0.25, {"sinks": 2, "buffer": 16}, "fast")
     # Engine side (no presets): the key is the label of where the spec came from.
     assert parse_kv_policy(spec.to_custom_params()).preset == "fast"
 
@@ -150,8 +151,9 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 def test_the_newest_token_survives_every_decode_step_and_the_budget_holds(name, budget, knob, steps, seed):
     # Any budget, any sinks / protect_recent (even the ones the parser now
     # refuses), any observations: the token just stored is never evicted, and
-    # a head never holds more than the budget after its step.
-    params = {"streaming": {"sinks": knob}, "h2o": {}, "longflow": {"protect_recent": knob}}[name]
+    # a head never holds more than the budget after its step (streaming
+    # rolling every step: its cadence is test_policy_algorithms').
+    params = {"streaming": {"sinks": knob, "buffer": 1}, "h2o": {}, "longflow": {"protect_recent": knob}}[name]
     table = torch.rand(1, H, 48, generator=torch.Generator().manual_seed(seed))
     obs = lambda view, t: Observations(attention=per_slot(view, table), pv_norm=per_slot(view, table))  # noqa
     held = run_decode(name, params, budget, steps, obs)

@@ -17,6 +17,9 @@ from kvsieve.radix_ext.region_graphs import (
 from helpers.group_rows import replay_past_recorded_rows
 from test_step_meta import admit, decode_batch, runtime  # noqa: F401  (fixture)
 
+#: A streaming row that decides every step (its default decides every 16th): a group in each step.
+EVERY_STEP_STREAMING = {"name": "streaming", "budget": 8, "params": {"buffer": 1}}
+
 
 
 @pytest.fixture
@@ -69,7 +72,7 @@ def test_new_shapes_are_captured_at_first_sight_where_asked(builder, monkeypatch
         monkeypatch.setenv("KVSIEVE_CAPTURE_FIRST_SIGHT", env)
     assert first_sight_enabled() is first_sight
     admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
-    admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
+    admit("b", EVERY_STEP_STREAMING, prompt_len=5, row=5).prefix_len = 5
     graphs = RegionGraphs()
     graphs.first_sight = first_sight_enabled()
     step = builder.build(decode_batch(["a", "b"], [3, 5], [8, 6]))
@@ -97,7 +100,7 @@ def test_a_bad_first_sight_setting_names_the_variable(monkeypatch):
 
 def test_new_shapes_make_a_new_entry_and_an_unsafe_policy_runs_eagerly_between_segments(builder, monkeypatch):
     admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3).prefix_len = 5
-    admit("b", {"name": "streaming", "budget": 8}, prompt_len=5, row=5).prefix_len = 5
+    admit("b", EVERY_STEP_STREAMING, prompt_len=5, row=5).prefix_len = 5
     graphs = RegionGraphs()
     for fb in (decode_batch(["a"], [3], [6]), decode_batch(["a"], [3], [7]),
                decode_batch(["a", "b"], [3, 5], [8, 6]), decode_batch(["a", "b"], [3, 5], [9, 7])):

@@ -62,7 +62,7 @@ def decode_batch(rids, rows, seq_lens):
 
 def test_decode_rows_split_into_region_and_pool_with_one_group_per_policy(runtime):
     a = admit("a", {"name": "h2o", "budget": 8}, prompt_len=5, row=3)
-    b = admit("b", {"name": "streaming", "budget": 6, "params": {"sinks": 2}}, prompt_len=7, row=5)
+    b = admit("b", {"name": "streaming", "budget": 6, "params": {"sinks": 2, "buffer": 1}}, prompt_len=7, row=5)
     a.prefix_len, b.prefix_len = 5, 7  # prompts kept in the radix cache
     meta = runtime.build(decode_batch(["a", "full-1", "b"], [3, 1, 5], [6, 9, 8]))
     rows = meta.region

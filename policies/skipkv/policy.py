@@ -40,13 +40,13 @@ import torch
 from pydantic import Field, field_validator
 
 from ..base import RequestState, StepRow
+from ..cadence import due_heads
 from ..observations import Need, to_device
 from ..registry import register_policy
 from ..spec import KVPolicyError
 from . import steering, steering_vectors
 from .steering import DEFAULT_ALPHA, DEFAULT_ALPHA_MAX, DEFAULT_ALPHA_STEP
 from .rkv import RKVBase, RKVParams
-from .rkv_scores import due_heads
 from .book import RowSentences, SentenceBook, delimiter_table
 from .select import FAR, skipkv_evict
 from .sentences import RedundantSpans

@@ -42,12 +42,12 @@ import torch
 from pydantic import Field, field_validator
 
 from ..base import Policy, PolicyParams
+from ..cadence import ceiling_with_buffer, decides_at, due_heads
 from ..observations import QUERY_WINDOW, Need, to_device
 from ..registry import register_policy
 from ..snapkv import odd_kernel, pool_by_position
 from .rkv_paper import paper_scores, window_importance
-from .rkv_scores import (decides_at, due_heads, keep_recent_and_top, observe_attention, protected_recent,
-                         rkv_scores, start_window_mean)
+from .rkv_scores import keep_recent_and_top, observe_attention, protected_recent, rkv_scores, start_window_mean
 
 
 class RKVParams(PolicyParams):
@@ -144,10 +144,7 @@ class RKVBase(Policy):
         start_window_mean(view, obs.attention / self._group_size(), queries)
 
     def max_private_tokens(self, params, private_prompt, max_new_tokens, budget):
-        # A decode step stores its token before evicting, and a head decides
-        # every `buffer` steps: it reaches budget + buffer tokens before it
-        # cuts back to the budget.
-        return min(private_prompt + max_new_tokens, max(private_prompt, budget + params.buffer))
+        return ceiling_with_buffer(private_prompt, max_new_tokens, budget, params.buffer)
 
 
 @register_policy

@@ -118,18 +118,3 @@ def keep_recent_and_top(view: SlotView, score: torch.Tensor, budget: torch.Tenso
     protected, recent_n = protected_recent(view, budget, window)
     pool = view.valid if candidates is None else candidates
     return protected | keep_top_k(score, pool & ~protected, budget - recent_n)
-
-
-def decides_at(step: int, buffer: int) -> bool:
-    """Host: whether a request decides at decode step `step` (0-based): every
-    `buffer` steps, the first at step buffer - 1 (buffer 1: every step)."""
-    return (step + 1) % buffer == 0
-
-
-def due_heads(view: SlotView, budget: torch.Tensor, step: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """[R, H] heads that evict in this decode step: over their budget in a
-    step where their row decides (decides_at, on the device). Between
-    decisions a head grows by up to `buffer` tokens, as R-KV's code lets the
-    cache grow by a buffer of tokens between compressions."""
-    decides = (step + 1) % buffer == 0  # [R]
-    return (view.held > budget) & decides.view(-1, 1)
