@@ -5,6 +5,10 @@
 # 2026-12-03; the three solo runs of then re-run: SGLang's stale batch-full flag held one row back).
 set -u
 source bench/device_prelude.sh
+if [ "${VIEW:-0}" = 1 ]; then
+  timeout 60 python3 bench/view_gather.py "$W/view-gather.json" > "$W/view.log" 2>&1
+  echo "view rc $? at ${SECONDS}s" >> "$W/rc.txt"; cat "$W/view.log" | tail -5
+fi
 if [ "${GATE:-0}" = 1 ]; then
   COMMIT=$(cat .gpu/commit) SEEDS=" " GATE_S=${GATE_S:-250} OUT=$W/gate bash bench/gate_and_rate12.sh > "$W/gate.out" 2>&1
   echo "gate rc $? at ${SECONDS}s" >> "$W/rc.txt"
