@@ -15,6 +15,7 @@ repeats, CUDA events):
   select     torch.index_select(buffer, 0, table.flatten()) per buffer
   int32      `index` with position held as int32 (half the bytes)
   valid+pos  `index` of valid and position only (a policy without slot state)
+  fused      kernels/slot_view.py: the four in one kernel (GPU only)
 
 Writes the median ms per layer per form and the bytes each moves, with
 machine, date and command. On CPU it runs the same forms at --rows' size
@@ -32,6 +33,8 @@ import time
 from datetime import datetime, timezone
 
 import torch
+
+from kvsieve.kernels import slot_view
 
 HEADS, PAGE = 4, 16
 
@@ -70,6 +73,8 @@ def forms(buffers: dict, table: torch.Tensor) -> dict:
         "select": lambda: [torch.index_select(b, 0, flat) for b in buffers.values()],
         "int32": lambda: [b[table] for b in (buffers["valid"], position32, buffers["score"], buffers["last_hit"])],
         "valid+pos": lambda: [buffers["valid"][table], buffers["position"][table]],
+        "fused": lambda: list(slot_view.gather_view(table, buffers["valid"], buffers["position"], buffers["score"],
+                                                    buffers["last_hit"])),
     }
 
 
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     slots = table.numel() * PAGE
     results = {}
     for name, fn in forms(buffers, table).items():
+        if name == "fused" and args.device != "cuda":
+            continue  # Triton compiles for the GPU (TRITON_INTERPRET runs it here, for tests only)
         ms = timed(fn, args.repeats, args.device)
         moved = sum(t.numel() * t.element_size() for t in fn())
         results[name] = {"ms_per_layer": round(ms, 4), "ms_per_step_28_layers": round(28 * ms, 3),

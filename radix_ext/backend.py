@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from kvsieve.kernels.attention_ref import attend_rows
 from kvsieve.kernels.decode_attention import decode_attention
 from kvsieve.kernels.extend_attention import extend_attention
-from kvsieve.kernels import region_store
+from kvsieve.kernels import region_store, slot_view
 from kvsieve.policies import Need, Observations, SlotView
 
 from . import (faults, forward_graphs, head_parallel, kernel_warmup, layer0_probe, layer_blocks, logit_guard,
@@ -128,6 +128,9 @@ class KvsieveAttnBackend(AttentionBackend):
         #: The new token's store in one Triton kernel a layer where the kernels run
         #: (kernels/region_store.py; KVSIEVE_FUSED_STORE=0 keeps the PyTorch writes).
         self.fused_store = self.use_kernel and region_store.enabled()
+        #: A group's slot view in one Triton kernel a layer where the kernels run
+        #: (kernels/slot_view.py; KVSIEVE_FUSED_VIEW=0 keeps one PyTorch gather per buffer).
+        self.fused_view = self.use_kernel and slot_view.enabled()
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
         #: Under tensor parallelism only for passes without a collective
         #: (region_graphs.capturable): LongFlow's, ThinKV's and
@@ -374,9 +377,10 @@ class KvsieveAttnBackend(AttentionBackend):
         slot state (score, last_hit) only when one keeps it (two [R, H, S]
         gathers per layer that streaming, snapkv or longflow never read)."""
         p = self.pages
-        return SlotView(valid=self._flat(p.valid, table), position=self._flat(p.position, table),
-                        score=self._flat(p.score, table) if state else None,
-                        last_hit=self._flat(p.last_hit, table) if state else None,
+        gather = slot_view.gather_view if self.fused_view else slot_view.gather_view_reference
+        valid, position, score, last_hit = gather(table, p.valid, p.position, p.score if state else None,
+                                                  p.last_hit if state else None)
+        return SlotView(valid=valid, position=position, score=score, last_hit=last_hit,
                         keys=self._flat_kv(table, values=False)[0] if keys else None)
 
     def _slots(self, table):

@@ -17,6 +17,8 @@ def test_every_form_reads_the_engines_slots():
     table = torch.randperm(60)[:24].view(2, bench.HEADS, 3)
     engine = [b[table] for b in buffers.values()]
     for name, fn in bench.forms(buffers, table).items():
+        if name == "fused":
+            continue  # the kernel's own test: tests/interpreted/test_slot_view.py
         got = fn()
         assert len(got) == (2 if name == "valid+pos" else 4), name
         for mine, theirs in zip(got, engine):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvsieve.kernels import region_store
+from kvsieve.kernels import region_store, slot_view
 from kvsieve.radix_ext.backend import KvsieveAttnBackend
 from kvsieve.radix_ext.pages import PageManager, RegionConfig
 from kvsieve.radix_ext.runtime import RUNTIME
@@ -140,6 +140,7 @@ def region_pass(policy: str, rows: int, prompt: int, steps: int, *, shapes: Shap
     backend.__dict__.update(inner=SimpleNamespace(), token_to_kv_pool=_Pool(req_to_token.numel(), shapes, dtype, device),
                             num_layers=L, device=device, pages=RUNTIME.region, step=None,
                             use_kernel=kernel == "triton", fused_store=kernel == "triton" and region_store.enabled(),
+                            fused_view=kernel == "triton" and slot_view.enabled(),
                             steps=StepBuilder(RUNTIME.region, req_to_token, device),
                             graphs=graphs, step_log=None)
     if graphs is not None:
