@@ -17,7 +17,7 @@ TRACE="--engines kvsieve --rates 12 --duration 20 --gen-min 128 --gen-max 4096 -
 # first engine, which a timed traffic run would count.
 timeout ${GATE_S:-250} python3 -P -m pytest tests_gpu/test_group_rows_cuda.py tests_gpu/test_region_pass_cuda.py \
     tests_gpu/test_graph_buckets_cuda.py tests_gpu/test_host_reads_cuda.py tests_gpu/test_rkv_paper_cuda.py \
-    tests_gpu/test_graph_pool_alias_cuda.py tests_gpu/test_decode_slots_cuda.py tests_gpu/test_region_store_cuda.py tests_gpu/test_kernel_alignment_cuda.py tests_gpu/test_kernel_warmup_cuda.py -q -p no:cacheprovider > "$OUT/tests-gpu.log" 2>&1 &
+    tests_gpu/test_graph_pool_alias_cuda.py tests_gpu/test_decode_slots_cuda.py tests_gpu/test_region_store_cuda.py tests_gpu/test_slot_view_cuda.py tests_gpu/test_kernel_alignment_cuda.py tests_gpu/test_kernel_warmup_cuda.py -q -p no:cacheprovider > "$OUT/tests-gpu.log" 2>&1 &
 tests=$!
 python3 bench/gpu_smoke.py --rows 64 --mem-fraction-static 0.7 --out "$OUT/gpu-smoke.json" --commit "$COMMIT" \
     --deadline $(( ${GATE_S:-250} - 10 )) > "$OUT/gate.log" 2>&1
