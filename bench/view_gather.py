@@ -11,7 +11,8 @@ layers; twenty-fifth and twenty-sixth sessions): this separates the
 gathers' own cost from the rest. Forms, each timed per layer (median of
 repeats, CUDA events):
 
-  index      buffer[table] for the four buffers (the engine's form)
+  index      buffer[table] for the four buffers (the engine's form without
+             the kernel: slot_view.gather_view_reference)
   select     torch.index_select(buffer, 0, table.flatten()) per buffer
   int32      `index` with position held as int32 (half the bytes)
   valid+pos  `index` of valid and position only (a policy without slot state)
@@ -68,13 +69,13 @@ def region(pages: int, device: str) -> dict:
 def forms(buffers: dict, table: torch.Tensor) -> dict:
     flat = table.flatten()
     position32 = buffers["position"].to(torch.int32)
+    view = (buffers["valid"], buffers["position"], buffers["score"], buffers["last_hit"])
     return {
-        "index": lambda: [b[table] for b in buffers.values()],
+        "index": lambda: list(slot_view.gather_view_reference(table, *view)),
         "select": lambda: [torch.index_select(b, 0, flat) for b in buffers.values()],
         "int32": lambda: [b[table] for b in (buffers["valid"], position32, buffers["score"], buffers["last_hit"])],
-        "valid+pos": lambda: [buffers["valid"][table], buffers["position"][table]],
-        "fused": lambda: list(slot_view.gather_view(table, buffers["valid"], buffers["position"], buffers["score"],
-                                                    buffers["last_hit"])),
+        "valid+pos": lambda: list(slot_view.gather_view_reference(table, *view[:2], None, None)[:2]),
+        "fused": lambda: list(slot_view.gather_view(table, *view)),
     }
 
 
