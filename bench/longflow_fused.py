@@ -264,6 +264,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=None, help="tokens per layer and head (default 1024; --quick 40)")
     ap.add_argument("--prefix", type=int, default=0, help="shared-prefix tokens per row in the token pool")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--width-multiple", type=int, default=4,
+                    help="page-table columns rounded up to this (4: a group's width; 16: a solo step's width "
+                         "at budget 1024, 80 columns: radix_ext/step_meta.step_width_bucket)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--configs", default=None,
                     help="fused sweep: block:warps:tile[:stages] (tile fp32/fp16, stages 2 unless given), comma "
@@ -296,7 +299,8 @@ def main() -> None:
                      "python": platform.python_version()},
         "commit": _commit(),
         "shape": {"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "page": page, "dtype": str(dtype),
-                  "budget": budget, "held_slots": budget + 1, "prefix": args.prefix, "layers": args.layers},
+                  "budget": budget, "held_slots": budget + 1, "prefix": args.prefix, "layers": args.layers,
+                  "width_multiple": args.width_multiple},
         "timing": "CUDA-event medians of %d calls per variant, eager and CUDA-graph replay; one layer" % iters
                   if device.type == "cuda" else "wall-clock medians (interpreter: not a speed)",
         "fused_defaults": {"block": lf.BLOCK, "warps": lf.NUM_WARPS, "stages": lf.NUM_STAGES,
@@ -319,7 +323,7 @@ def main() -> None:
 def measure(R, budget, Hq, Hkv, D, page, dtype, device, scale, iters, configs, args) -> dict:
     """One size: the reference, every variant checked, then timed."""
     case, position, vnorm, view_valid, view_position = make_case(
-        R, budget, Hq, Hkv, D, page, args.prefix, dtype, device, seed=R)
+        R, budget, Hq, Hkv, D, page, args.prefix, dtype, device, seed=R, width_multiple=args.width_multiple)
     S = view_valid.shape[-1]
     budget_t = torch.full((R,), budget, dtype=torch.int64, device=device)
     protect_recent = torch.zeros(R, dtype=torch.int64, device=device)

@@ -97,11 +97,15 @@ NUM_STAGES = 2
 #: The widest region (slots per (row, kv head), rounded up to a power of
 #: two) the kernels take: the logits tiles live in registers.
 MAX_SLOTS = 4096
-#: The widest region decode_attention sends to the fused pass: what was
-#: measured (budget 1024: 1,088 slots, 9 blocks of 128). Wider regions need
-#: larger tiles (more registers, spills): the split path until measured
-#: (bench/longflow_fused.py --budget N).
-ROUTE_MAX_SLOTS = 9 * 128
+#: The widest region decode_attention sends to the fused pass. A step of
+#: LongFlow rows alone at budget 1024 reads a table of 80 columns (1,280
+#: slots: radix_ext/step_meta.step_width_bucket rounds its 65 to 80), and
+#: at 9 blocks it took the split path (its scratch and observation kernel:
+#: 3.2 ms of a 600-row step on an H200, 2026-12-03); 10 blocks (tiles of
+#: 8 + 2) cover it (`bench/longflow_fused.py --width-multiple 16`). Wider
+#: regions need larger tiles (more registers, spills): the split path until
+#: measured (bench/longflow_fused.py --budget N).
+ROUTE_MAX_SLOTS = 10 * 128
 #: Logits kept in fp16 instead of fp32: no faster on the H100, and as
 #: approximate as the split path's scratch (1 victim of 640 moved by a near
 #: tie), so fp32 by default.

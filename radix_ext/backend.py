@@ -129,7 +129,8 @@ class KvsieveAttnBackend(AttentionBackend):
         #: (kernels/region_store.py; KVSIEVE_FUSED_STORE=0 keeps the PyTorch writes).
         self.fused_store = self.use_kernel and region_store.enabled()
         #: A group's slot view in one Triton kernel a layer where the kernels run
-        #: (kernels/slot_view.py; KVSIEVE_FUSED_VIEW=0 keeps one PyTorch gather per buffer).
+        #: and its write-back (kernels/slot_view.py; KVSIEVE_FUSED_VIEW=0 keeps one PyTorch
+        #: gather and one indexed write per buffer).
         self.fused_view = self.use_kernel and slot_view.enabled()
         #: CUDA graphs of the compressed decode pass (GPU; KVSIEVE_REGION_GRAPHS=0 turns them off).
         #: Under tensor parallelism only for passes without a collective
@@ -588,16 +589,15 @@ class KvsieveAttnBackend(AttentionBackend):
         if chosen is None and not stateful:
             return  # nothing evicted, no slot state: the region stays as it is
         with span("kvsieve.evict"):
-            shape = (*table.shape, p.config.page_size)
-            if stateful:
-                p.score[table] = view.score.reshape(shape)
-                p.last_hit[table] = view.last_hit.reshape(shape)
+            kept = None
             if chosen is not None:
                 evict = chosen & view.valid
                 kept = view.valid & ~evict
-                p.valid[table] = kept.reshape(shape)
-                p.position[table] = torch.where(kept, view.position, -1).reshape(shape)
                 RUNTIME.count_evictions(group.pool_rows, evict.sum(dim=(1, 2)))
+            # One kernel for every buffer written (kernels/slot_view.py), as the view's gather.
+            write = slot_view.write_back if self.fused_view else slot_view.write_back_reference
+            write(table, p.valid, p.position, p.score if stateful else None, p.last_hit if stateful else None,
+                  kept, view.position, view.score, view.last_hit)
 
     def _extend_region(self, q3, k3, v3, o3, layer, step):
         rows, ext, p = step.region, step.extend, self.pages

@@ -2,7 +2,10 @@
 GPU, against one PyTorch gather per buffer on the same device, bit for bit:
 the interpreted cases' shapes and a 600-row step at budget 1024 (65 columns
 of 16), a layer's slice of [R, layers, H, M] tables, with and without slot
-state; and inside a CUDA graph, replayed after the region changed."""
+state; and inside a CUDA graph, replayed after the region changed. The
+decision's write-back in one kernel against one indexed write per buffer
+the same way (evictions and/or slot state; 600 rows; a captured write
+replayed with new decisions)."""
 
 import pytest
 import torch
@@ -59,3 +62,67 @@ def test_a_captured_view_replays_the_regions_current_slots():
     graph.replay()
     torch.cuda.synchronize()
     assert_same(out, slot_view.gather_view_reference(*args))
+
+
+def engine_region(pages: int, page: int, seed: int) -> dict:
+    buffers = region(pages, page, seed)
+    buffers["valid"][-1] = False  # the null page: never valid
+    buffers["position"][-1] = -1
+    return buffers
+
+
+def distinct_table(R, H, M, pages, seed):
+    gen = torch.Generator(device="cuda").manual_seed(200 + seed)
+    t = torch.randperm(pages - 1, generator=gen, device="cuda")[:R * 2 * H * M].view(R, 2, H, M).clone()
+    t[0, :, :, M // 2:] = pages - 1
+    return t[:, 1]  # a layer's slice
+
+
+def decision(table, buffers, seed):
+    view_valid, view_position, _, _ = slot_view.gather_view_reference(table, buffers["valid"], buffers["position"],
+                                                                      None, None)
+    gen = torch.Generator(device="cuda").manual_seed(300 + seed)
+    kept = view_valid & ~(torch.rand(view_valid.shape, generator=gen, device="cuda") < 0.3)
+    score = torch.rand(view_valid.shape, generator=gen, device="cuda")
+    last_hit = torch.randint(0, 99, view_valid.shape, dtype=torch.int32, generator=gen, device="cuda")
+    return kept, view_position, score, last_hit
+
+
+def assert_same_region(mine, theirs, pages):
+    for name in ("valid", "position", "score", "last_hit"):
+        rows = slice(None) if name in ("valid", "position") else slice(0, pages - 1)  # the null page's state: any
+        assert torch.equal(mine[name][rows], theirs[name][rows]), name
+
+
+@pytest.mark.parametrize("R, H, M, page, kept, state", [
+    (3, 2, 5, 16, True, True), (5, 4, 7, 16, True, False), (2, 3, 9, 8, False, True),
+    (600, 4, 65, 16, True, True), (600, 4, 65, 16, True, False),
+])
+def test_the_compiled_kernel_writes_back_what_pytorch_writes(R, H, M, page, kept, state):
+    pages = R * 2 * H * M + 1
+    table = distinct_table(R, H, M, pages, R)
+    mine, theirs = engine_region(pages, page, R), engine_region(pages, page, R)
+    new_kept, position, score, last_hit = decision(table, mine, R)
+    for write, b in ((slot_view.write_back, mine), (slot_view.write_back_reference, theirs)):
+        write(table, b["valid"], b["position"], b["score"] if state else None, b["last_hit"] if state else None,
+              new_kept if kept else None, position, score, last_hit)
+    torch.cuda.synchronize()
+    assert_same_region(mine, theirs, pages)
+
+
+def test_a_captured_write_back_replays_the_steps_decision():
+    pages = 40 * 2 * 4 * 12 + 1
+    table = distinct_table(40, 4, 12, pages, 9)
+    mine, theirs = engine_region(pages, 16, 9), engine_region(pages, 16, 9)
+    inputs = [t.clone() for t in decision(table, mine, 9)]
+    args = lambda b: (table, b["valid"], b["position"], b["score"], b["last_hit"], *inputs)  # noqa: E731
+    slot_view.write_back(*args(engine_region(pages, 16, 9)))  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        slot_view.write_back(*args(mine))
+    for t, new in zip(inputs, decision(table, mine, 10)):  # the next step's decision, in the captured inputs
+        t.copy_(new)
+    graph.replay()
+    slot_view.write_back_reference(*args(theirs))
+    torch.cuda.synchronize()
+    assert_same_region(mine, theirs, pages)
