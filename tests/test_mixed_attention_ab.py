@@ -39,3 +39,19 @@ def test_a_longflow_only_step_takes_the_fused_kernel_and_a_mix_does_not():
     slots = 20 * ab.PAGE
     assert longflow_fused.applies(alone, None, slots) == longflow_fused.enabled()
     assert not longflow_fused.applies(mixed, None, slots)
+
+
+def test_a_longflow_step_at_budget_1024_is_within_the_fused_kernels_width():
+    """LongFlow rows alone at budget 1024 hold 1,025 slots a head (65 columns
+    of 16), and a step pads its table to step_width_bucket's 80 columns: the
+    fused pass has to take that width, or every such step goes the split
+    path with its scratch and observation kernel (3.2 ms of a 600-row step
+    on an H200 when it did, 2026-12-03)."""
+    from kvsieve.kernels import longflow_fused
+    from kvsieve.radix_ext.step_meta import step_width_bucket
+
+    columns = -(-(1024 + 1) // ab.PAGE)
+    _, alone = ab.make_step([("longflow", columns)], 4, torch.device("cpu"), torch.float32)
+    width = step_width_bucket(columns)
+    assert (columns, width) == (65, 80)
+    assert longflow_fused.applies(alone, None, width * ab.PAGE) == longflow_fused.enabled()
